@@ -1,0 +1,5 @@
+import sys
+
+from retune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,262 @@
+"""Turn a path, dict or model into a validated :class:`RetuneSchedule`, or a :class:`ScheduleError`.
+
+Parsing is done here rather than by pydantic so that every failure (missing file, syntax error
+with its line, duplicate YAML key, unknown key, bad value) becomes one message naming the file,
+the field path and what is allowed. Users fix configs from that message alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+from retune.errors import FieldProblem, ScheduleError
+from retune.schedule import TRIGGER_KINDS, RetuneSchedule
+
+ScheduleSource = Union[str, Path, Mapping[str, Any], RetuneSchedule]
+
+SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml"}
+
+# Features whose format is settled but whose behaviour is not built yet. Loading a schedule that
+# asks for one fails loudly: accepting the key and ignoring it would be silent data loss.
+def _not_yet_supported(schedule: RetuneSchedule) -> list[FieldProblem]:
+    problems = []
+    if schedule.search.mode == "model":
+        problems.append(FieldProblem("search.mode", "'model' is not available yet; use 'power' or 'binsearch'"))
+    if schedule.memory.budget is not None:
+        problems.append(
+            FieldProblem("memory.budget", f"{schedule.memory.budget!r}: budgets are not available yet; use null")
+        )
+    if schedule.apply.accumulate != "free":
+        problems.append(FieldProblem("apply.accumulate", f"{schedule.apply.accumulate!r} is not available yet"))
+    if schedule.apply.lr_scaling != "none":
+        problems.append(FieldProblem("apply.lr_scaling", f"{schedule.apply.lr_scaling!r} is not available yet"))
+    if schedule.stages != ("train",):
+        problems.append(
+            FieldProblem("stages", f"{list(schedule.stages)}: only ['train'] is available yet")
+        )
+    return problems
+
+
+def load_schedule(source: ScheduleSource) -> RetuneSchedule:
+    """Return a validated, immutable schedule with defaults filled in.
+
+    Args:
+        source: a path to a ``.yaml``/``.yml``, ``.json`` or ``.toml`` file, a dict with the same
+            content, or an already validated :class:`RetuneSchedule` (returned as is).
+
+    Raises:
+        ScheduleError: naming the file (or ``<dict>``), the field path, the bad value and what is
+            allowed, for any problem from a missing file to an out-of-range number.
+    """
+    if isinstance(source, RetuneSchedule):
+        _check_supported(source, "<schedule>")
+        return source
+    if isinstance(source, Mapping):
+        return validate_data(dict(source), "<dict>")
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        return validate_data(read_schedule_file(path), str(path))
+    raise ScheduleError(
+        "<schedule>",
+        [FieldProblem("", f"expected a file path, a dict or a RetuneSchedule, got {type(source).__name__}")],
+    )
+
+
+def read_schedule_file(path: Path) -> dict[str, Any]:
+    """Read and parse one schedule file into plain data; raise ScheduleError naming the file."""
+    name = str(path)
+    fmt = SUFFIXES.get(path.suffix.lower())
+    if fmt is None:
+        raise ScheduleError(
+            name, [FieldProblem("", f"unknown file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")]
+        )
+    if not path.exists():
+        raise ScheduleError(name, [FieldProblem("", "no such file")])
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScheduleError(name, [FieldProblem("", f"cannot read the file: {exc}")]) from None
+    data = _parse(text, fmt, name)
+    if not isinstance(data, dict):
+        raise ScheduleError(
+            name, [FieldProblem("", f"the top level must be a mapping of keys to values, got {_kind(data)}")]
+        )
+    return data
+
+
+def validate_data(data: dict[str, Any], source: str) -> RetuneSchedule:
+    """Validate already parsed data; ``source`` names it in error messages."""
+    try:
+        schedule = RetuneSchedule.model_validate(data)
+    except ValidationError as exc:
+        raise ScheduleError(source, [_problem(err) for err in exc.errors()]) from None
+    _check_supported(schedule, source)
+    return schedule
+
+
+def _check_supported(schedule: RetuneSchedule, source: str) -> None:
+    problems = _not_yet_supported(schedule)
+    if problems:
+        raise ScheduleError(source, problems)
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+class _StrictYamlLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys: YAML keeps the last one silently, losing the first."""
+
+
+def _construct_mapping(loader: _StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {seen[key]}, again on line {line})", key_node.start_mark
+            )
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _reject_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _parse(text: str, fmt: str, name: str) -> Any:
+    try:
+        if fmt == "yaml":
+            return yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
+        if fmt == "json":
+            return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys)
+        return tomllib.loads(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        detail = " ".join(part for part in (exc.context, exc.problem) if part)
+        raise ScheduleError(name, [FieldProblem("", f"YAML syntax error at {where}{detail}")]) from None
+    except yaml.YAMLError as exc:
+        raise ScheduleError(name, [FieldProblem("", f"YAML syntax error: {exc}")]) from None
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(
+            name, [FieldProblem("", f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}")]
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ScheduleError(name, [FieldProblem("", f"TOML syntax error: {exc}")]) from None
+    except ValueError as exc:  # duplicate JSON key
+        raise ScheduleError(name, [FieldProblem("", f"JSON error: {exc}")]) from None
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "an empty document"
+    if isinstance(value, list):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+# -- error messages ----------------------------------------------------------------------------
+
+
+def format_path(loc: Sequence[int | str]) -> str:
+    """``('triggers', 1, 'epoch', 'at')`` -> ``triggers[1].at`` (the union tag is not a user key)."""
+    out = ""
+    parts = list(loc)
+    for i, part in enumerate(parts):
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        after_trigger_index = i >= 2 and parts[i - 2] == "triggers" and isinstance(parts[i - 1], int)
+        if after_trigger_index and part in TRIGGER_KINDS:
+            continue
+        if part.startswith("function-") or part in {"float", "str", "tuple[int,...]", "int", "none"}:
+            continue  # pydantic's names for union members and validators, not keys
+        out += f".{part}" if out else part
+    return out
+
+
+def _model_at(loc: Sequence[int | str], data_kind: str | None) -> type[BaseModel] | None:
+    """The model class whose keys are allowed at ``loc`` (for 'did you mean' hints)."""
+    model: type[BaseModel] = RetuneSchedule
+    parts = list(loc)
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part == "triggers":
+            from retune import schedule as sched
+
+            by_kind = {
+                "fit_start": sched.FitStartTrigger,
+                "epoch": sched.EpochTrigger,
+                "param_groups_changed": sched.ParamGroupsChangedTrigger,
+                "trainable_params_changed": sched.TrainableParamsChangedTrigger,
+            }
+            kind = parts[i + 2] if i + 2 < len(parts) else data_kind
+            found = by_kind.get(str(kind))
+            if found is None:
+                return None
+            model = found
+            i += 3
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return model if i == len(parts) else None
+        model = field.annotation
+        i += 1
+    return model
+
+
+def _problem(err: ErrorDetails) -> FieldProblem:
+    loc = err["loc"]
+    path = format_path(loc)
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        key = str(loc[-1])
+        model = _model_at(loc[:-1], None)
+        allowed = sorted(model.model_fields) if model is not None else []
+        hint = difflib.get_close_matches(key, allowed, n=1)
+        msg = f"unknown key {key!r}"
+        if hint:
+            msg += f" (did you mean {hint[0]!r}?)"
+        if allowed:
+            msg += f"; allowed keys: {', '.join(allowed)}"
+        return FieldProblem(path, msg)
+    if kind == "missing":
+        return FieldProblem(path, "required key is missing")
+    if kind == "union_tag_invalid":
+        return FieldProblem(
+            f"{path}.kind" if path else "kind",
+            f"unknown trigger kind {_short(err.get('ctx', {}).get('tag'))}; allowed: {', '.join(TRIGGER_KINDS)}",
+        )
+    if kind == "union_tag_not_found":
+        return FieldProblem(path, f"a trigger needs a `kind`; allowed: {', '.join(TRIGGER_KINDS)}")
+    message = err["msg"].replace("valid tuple", "list")
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    if isinstance(value, (dict, list)) and kind not in {"list_type", "tuple_type", "dict_type", "model_type"}:
+        return FieldProblem(path, message)
+    return FieldProblem(path, f"{message} (got {_short(value)})")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

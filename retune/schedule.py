@@ -1,0 +1,245 @@
+"""The schedule format: pydantic models for what users write in YAML, JSON or TOML.
+
+Field names here are the public file format. Every model forbids unknown keys (a misspelt key
+must never be silently ignored) and is frozen after validation, so a schedule shared between
+callbacks cannot drift. Numbers and booleans are strict: ``init_val: "2"`` or ``warm_start: 1``
+is a type error rather than a guess.
+
+Example:
+    >>> from retune import load_schedule
+    >>> s = load_schedule({"triggers": [{"kind": "fit_start"}, {"kind": "epoch", "at": [5]}]})
+    >>> s.search.mode, s.triggers[1].at
+    ('binsearch', (5,))
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+SearchMode = Literal["power", "binsearch", "model"]
+Stage = Literal["train", "val", "test", "predict"]
+StrictFloat = Annotated[float, Strict()]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_byte_size(text: str) -> int:
+    """Parse ``"512MiB"``, ``"2GB"`` or ``"1.5 GiB"`` into bytes; raise ValueError otherwise."""
+    match = _SIZE_RE.match(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"{text!r} is not a memory size; write a number with a unit such as '512MiB', '2GB' "
+            f"or '1.5GiB' (units: {', '.join(u for u in _UNITS if u)})"
+        )
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value < 1:
+        raise ValueError(f"{text!r} is less than one byte")
+    return int(value)
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SearchConfig(_Config):
+    """How the largest batch size is searched; the semantics follow Lightning's ``BatchSizeFinder``."""
+
+    mode: SearchMode = Field(
+        "binsearch",
+        description="power: double until out of memory; binsearch: double, then bisect; "
+        "model: fit memory = fixed + per_sample * batch size and verify the prediction.",
+    )
+    init_val: StrictInt = Field(2, ge=1, description="First size tried by a cold search.")
+    steps_per_trial: StrictInt = Field(3, ge=1, description="Training steps run at each candidate size.")
+    max_trials: StrictInt = Field(25, ge=1, description="Most candidate sizes tried in one search.")
+    margin: StrictFloat = Field(
+        0.05,
+        ge=0.0,
+        lt=1.0,
+        description="Safety cut applied to the size found by binsearch (and model): found * (1 - margin).",
+    )
+    max_val: StrictInt = Field(8192, ge=1, description="Largest batch size ever tried.")
+    warm_start: StrictBool = Field(
+        True,
+        description="A re-tune starts from the last found size and searches in the direction the trigger "
+        "implies, instead of climbing from init_val again.",
+    )
+
+    @field_validator("max_val")
+    @classmethod
+    def _max_not_below_init(cls, value: int, info: ValidationInfo) -> int:
+        init_val = info.data.get("init_val")
+        if init_val is not None and value < init_val:
+            raise ValueError(f"max_val must be >= init_val ({init_val})")
+        return value
+
+
+class MemoryConfig(_Config):
+    """What counts as "does not fit"."""
+
+    budget: Union[float, str, None] = Field(
+        None,
+        description="null: only a real out-of-memory error counts; a number in (0, 1]: that fraction of "
+        "the device's total memory; a string such as '512MiB' or '2GB': an absolute size.",
+    )
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _check_budget(cls, value: object) -> float | str | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            parse_byte_size(value)
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("expected null, a fraction of device memory in (0, 1], or a size such as '512MiB'")
+        if not 0.0 < value <= 1.0:
+            raise ValueError(
+                f"a number budget is a fraction of device memory in (0, 1], got {value}; "
+                "write absolute sizes with a unit, e.g. '512MiB'"
+            )
+        return value
+
+    def budget_bytes(self, device_total_bytes: int | None) -> int | None:
+        """The budget in bytes, or None when no budget is set (or a fraction has no total to apply to)."""
+        if self.budget is None:
+            return None
+        if isinstance(self.budget, str):
+            return parse_byte_size(self.budget)
+        if device_total_bytes is None:
+            return None
+        return int(self.budget * device_total_bytes)
+
+
+class FitStartTrigger(_Config):
+    """Search once when ``fit`` starts (at the first epoch start, after freezing callbacks ran)."""
+
+    kind: Literal["fit_start"] = "fit_start"
+
+
+class EpochTrigger(_Config):
+    """Search at the start of given epochs (0-based, as ``trainer.current_epoch``)."""
+
+    kind: Literal["epoch"] = "epoch"
+    at: Union[tuple[Annotated[StrictInt, Field(ge=0)], ...], None] = Field(
+        None, description="Epochs at whose start to search, e.g. [5, 10]."
+    )
+    every: Union[Annotated[StrictInt, Field(ge=1)], None] = Field(
+        None, description="Search at the start of every N-th epoch (N, 2N, ...)."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> EpochTrigger:
+        if (self.at is None) == (self.every is None):
+            which = "both" if self.at is not None else "neither"
+            raise ValueError(f"set exactly one of `at` (a list of epochs) or `every` (N >= 1); {which} given")
+        return self
+
+    @field_validator("at")
+    @classmethod
+    def _some_epoch(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None and len(value) == 0:
+            raise ValueError("list at least one epoch")
+        return value
+
+
+class ParamGroupsChangedTrigger(_Config):
+    """Search when the set of parameters in the optimizers' param groups changes."""
+
+    kind: Literal["param_groups_changed"] = "param_groups_changed"
+
+
+class TrainableParamsChangedTrigger(_Config):
+    """Search when the number of trainable (``requires_grad``) parameters changes."""
+
+    kind: Literal["trainable_params_changed"] = "trainable_params_changed"
+    min_fraction: StrictFloat = Field(
+        0.0,
+        ge=0.0,
+        description="Fire only when the trainable-parameter count changes by more than this fraction.",
+    )
+
+
+TriggerConfig = Annotated[
+    Union[FitStartTrigger, EpochTrigger, ParamGroupsChangedTrigger, TrainableParamsChangedTrigger],
+    Field(discriminator="kind"),
+]
+TRIGGER_KINDS: tuple[str, ...] = ("fit_start", "epoch", "param_groups_changed", "trainable_params_changed")
+
+
+class ApplyConfig(_Config):
+    """What else changes when the batch size changes."""
+
+    accumulate: Literal["free", "keep_effective"] = Field(
+        "free",
+        description="free: leave gradient accumulation alone; keep_effective: adjust it so batch size x "
+        "accumulation stays the effective batch size of the first tune.",
+    )
+    lr_scaling: Literal["none", "linear", "sqrt"] = Field(
+        "none", description="Scale learning rates by k or sqrt(k) when the effective batch size changes by k."
+    )
+
+
+class RetuneSchedule(_Config):
+    """A complete schedule: when to re-run the batch-size search, and how."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        title="retune schedule",
+    )
+
+    version: Literal[1] = Field(1, description="Format version.")
+    batch_arg_name: StrictStr = Field(
+        "batch_size",
+        min_length=1,
+        description="Attribute holding the batch size, looked up on the model, model.hparams, "
+        "the datamodule and datamodule.hparams (Lightning's lookup).",
+    )
+    search: SearchConfig = SearchConfig()
+    memory: MemoryConfig = MemoryConfig()
+    triggers: tuple[TriggerConfig, ...] = Field(
+        ..., description="When to search (at least one); several firing at one epoch start give one search."
+    )
+    apply: ApplyConfig = ApplyConfig()
+    stages: tuple[Stage, ...] = Field(("train",), min_length=1, description="Which stages' batch sizes to tune.")
+
+    @field_validator("triggers")
+    @classmethod
+    def _some_trigger(cls, value: tuple[object, ...]) -> tuple[object, ...]:
+        if not value:
+            raise ValueError(f"list at least one trigger; kinds: {', '.join(TRIGGER_KINDS)}")
+        return value
+
+    @field_validator("stages")
+    @classmethod
+    def _unique_stages(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"stages must not repeat, got {list(value)}")
+        return value
