@@ -1,15 +1,37 @@
-"""retune: re-run the largest-batch-size search whenever fine-tuning changes the memory a step needs."""
+"""retune: re-run the largest-batch-size search whenever fine-tuning changes the memory a step needs.
+
+>>> from retune import ScheduledBatchSizeFinder
+>>> finder = ScheduledBatchSizeFinder("schedules/freeze_unfreeze.yaml")  # doctest: +SKIP
+"""
 
 from retune.errors import RetuneError, ScheduleError
+from retune.events import RetuneEvent, Trial
 from retune.loading import load_schedule
+from retune.oom import is_oom_error
 from retune.schedule import RetuneSchedule
+from retune.triggers import TrainingView, Trigger
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RetuneError",
+    "RetuneEvent",
     "RetuneSchedule",
     "ScheduleError",
+    "ScheduledBatchSizeFinder",
+    "TrainingView",
+    "Trial",
+    "Trigger",
     "__version__",
+    "is_oom_error",
     "load_schedule",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The callback imports Lightning; keep `retune validate` and schedule tooling free of that import.
+    if name == "ScheduledBatchSizeFinder":
+        from retune.callback import ScheduledBatchSizeFinder
+
+        return ScheduledBatchSizeFinder
+    raise AttributeError(f"module 'retune' has no attribute {name!r}")

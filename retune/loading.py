@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import difflib
 import json
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
@@ -24,6 +24,7 @@ from retune.schedule import TRIGGER_KINDS, RetuneSchedule
 ScheduleSource = Union[str, Path, Mapping[str, Any], RetuneSchedule]
 
 SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml"}
+
 
 # Features whose format is settled but whose behaviour is not built yet. Loading a schedule that
 # asks for one fails loudly: accepting the key and ignoring it would be silent data loss.
@@ -40,9 +41,7 @@ def _not_yet_supported(schedule: RetuneSchedule) -> list[FieldProblem]:
     if schedule.apply.lr_scaling != "none":
         problems.append(FieldProblem("apply.lr_scaling", f"{schedule.apply.lr_scaling!r} is not available yet"))
     if schedule.stages != ("train",):
-        problems.append(
-            FieldProblem("stages", f"{list(schedule.stages)}: only ['train'] is available yet")
-        )
+        problems.append(FieldProblem("stages", f"{list(schedule.stages)}: only ['train'] is available yet"))
     return problems
 
 
@@ -82,7 +81,7 @@ def read_schedule_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ScheduleError(name, [FieldProblem("", "no such file")])
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # editors on Windows prepend a byte-order mark
     except (OSError, UnicodeDecodeError) as exc:
         raise ScheduleError(name, [FieldProblem("", f"cannot read the file: {exc}")]) from None
     data = _parse(text, fmt, name)
@@ -116,15 +115,25 @@ class _StrictYamlLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys: YAML keeps the last one silently, losing the first."""
 
 
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 def _construct_mapping(loader: _StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+        if key_node.tag == _MERGE_TAG:
+            continue  # `<<: *anchor` merges; keys written beside it legitimately override merged ones
+        key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
-        if key in seen:
+        try:
+            duplicate = key in seen
+        except TypeError:
             raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first on line {seen[key]}, again on line {line})", key_node.start_mark
-            )
+                None, None, f"a key must be a plain value, found {_kind(key)} (a missing `key:`?)", key_node.start_mark
+            ) from None
+        if duplicate:
+            message = f"duplicate key {key!r} (first on line {seen[key]}, again on line {line})"
+            raise yaml.constructor.ConstructorError(None, None, message, key_node.start_mark)
         seen[key] = line
     return loader.construct_mapping(node, deep=deep)
 
@@ -144,7 +153,7 @@ def _reject_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def _parse(text: str, fmt: str, name: str) -> Any:
     try:
         if fmt == "yaml":
-            return yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506 - a SafeLoader subclass
+            return yaml.load(text, Loader=_StrictYamlLoader)
         if fmt == "json":
             return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys)
         return tomllib.loads(text)
@@ -152,7 +161,8 @@ def _parse(text: str, fmt: str, name: str) -> Any:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         detail = " ".join(part for part in (exc.context, exc.problem) if part)
-        raise ScheduleError(name, [FieldProblem("", f"YAML syntax error at {where}{detail}")]) from None
+        label = "YAML error" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
+        raise ScheduleError(name, [FieldProblem("", f"{label} at {where}{detail}")]) from None
     except yaml.YAMLError as exc:
         raise ScheduleError(name, [FieldProblem("", f"YAML syntax error: {exc}")]) from None
     except json.JSONDecodeError as exc:
@@ -176,6 +186,10 @@ def _kind(value: Any) -> str:
 # -- error messages ----------------------------------------------------------------------------
 
 
+_UNION_FIELDS = {"at", "every", "budget"}
+_UNION_MEMBER_NAMES = {"float", "str", "int", "none", "tuple[int,...]", "tuple[constrained-int,...]", "constrained-int"}
+
+
 def format_path(loc: Sequence[int | str]) -> str:
     """``('triggers', 1, 'epoch', 'at')`` -> ``triggers[1].at`` (the union tag is not a user key)."""
     out = ""
@@ -187,8 +201,9 @@ def format_path(loc: Sequence[int | str]) -> str:
         after_trigger_index = i >= 2 and parts[i - 2] == "triggers" and isinstance(parts[i - 1], int)
         if after_trigger_index and part in TRIGGER_KINDS:
             continue
-        if part.startswith("function-") or part in {"float", "str", "tuple[int,...]", "int", "none"}:
-            continue  # pydantic's names for union members and validators, not keys
+        after_union_field = i >= 1 and parts[i - 1] in _UNION_FIELDS
+        if after_union_field and (part.startswith("function-") or part in _UNION_MEMBER_NAMES):
+            continue  # pydantic's names for union members, not keys
         out += f".{part}" if out else part
     return out
 
@@ -203,7 +218,7 @@ def _model_at(loc: Sequence[int | str], data_kind: str | None) -> type[BaseModel
         if part == "triggers":
             from retune import schedule as sched
 
-            by_kind = {
+            by_kind: dict[str, type[BaseModel]] = {
                 "fit_start": sched.FitStartTrigger,
                 "epoch": sched.EpochTrigger,
                 "param_groups_changed": sched.ParamGroupsChangedTrigger,
@@ -217,9 +232,10 @@ def _model_at(loc: Sequence[int | str], data_kind: str | None) -> type[BaseModel
             i += 3
             continue
         field = model.model_fields.get(str(part))
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+        annotation = None if field is None else field.annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return model if i == len(parts) else None
-        model = field.annotation
+        model = annotation
         i += 1
     return model
 
@@ -254,6 +270,8 @@ def _problem(err: ErrorDetails) -> FieldProblem:
         message = message[len("Value error, ") :]
     if isinstance(value, (dict, list)) and kind not in {"list_type", "tuple_type", "dict_type", "model_type"}:
         return FieldProblem(path, message)
+    if repr(value) in message or (isinstance(value, (int, float)) and f" {value}" in message):
+        return FieldProblem(path, message)  # the message already shows the value
     return FieldProblem(path, f"{message} (got {_short(value)})")
 
 

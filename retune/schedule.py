@@ -2,8 +2,9 @@
 
 Field names here are the public file format. Every model forbids unknown keys (a misspelt key
 must never be silently ignored) and is frozen after validation, so a schedule shared between
-callbacks cannot drift. Numbers and booleans are strict: ``init_val: "2"`` or ``warm_start: 1``
-is a type error rather than a guess.
+callbacks cannot drift. Numbers and booleans are strict: a quoted ``init_val: "2"`` or
+``warm_start: 1`` is a type error rather than a guess (YAML itself reads unquoted ``yes``/``on``
+as true, as every YAML 1.1 parser does).
 
 Example:
     >>> from retune import load_schedule
@@ -182,6 +183,7 @@ class TrainableParamsChangedTrigger(_Config):
     min_fraction: StrictFloat = Field(
         0.0,
         ge=0.0,
+        allow_inf_nan=False,
         description="Fire only when the trainable-parameter count changes by more than this fraction.",
     )
 
@@ -228,7 +230,7 @@ class RetuneSchedule(_Config):
         ..., description="When to search (at least one); several firing at one epoch start give one search."
     )
     apply: ApplyConfig = ApplyConfig()
-    stages: tuple[Stage, ...] = Field(("train",), min_length=1, description="Which stages' batch sizes to tune.")
+    stages: tuple[Stage, ...] = Field(("train",), description="Which stages' batch sizes to tune (at least one).")
 
     @field_validator("triggers")
     @classmethod
@@ -240,6 +242,8 @@ class RetuneSchedule(_Config):
     @field_validator("stages")
     @classmethod
     def _unique_stages(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("list at least one of train, val, test, predict")
         if len(set(value)) != len(value):
             raise ValueError(f"stages must not repeat, got {list(value)}")
         return value

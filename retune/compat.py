@@ -1,0 +1,328 @@
+"""Every Lightning internal retune touches, for both supported lines, in one place.
+
+Two Lightning lines are supported: 2.x (``pytorch_lightning`` and ``lightning.pytorch``) and 1.9
+(``pytorch_lightning`` 1.9.5, which lightning-flash pins). The namespace is taken from the
+trainer's own class, never assumed, so a callback works with whichever ``Trainer`` the user built.
+Nothing outside this module imports Lightning or reads a private trainer attribute.
+
+Internals used and why:
+
+* the train ``DataLoaderSource`` (2.x ``fit_loop._data_source``, 1.9
+  ``_data_connector._train_dataloader_source``): probes need the user's dataloader *at a candidate
+  size*, which only re-calling the user's ``train_dataloader`` hook gives;
+* the fit loop's dataloader reload (2.x ``_combined_loader = None; setup_data()``, 1.9
+  ``reset_train_dataloader``): the epoch that is about to start must run at the new size;
+* the epoch loop's ``_results`` collection and the module's ``_current_fx_name``: swapped during a
+  probe so ``self.log`` in ``training_step`` works and nothing it logs survives the probe;
+* loop progress objects: counters a manual-optimization probe step increments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from functools import cache
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from retune.errors import RetuneError
+
+_NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def namespace_of(trainer: Any) -> str:
+    """``"lightning.pytorch"`` or ``"pytorch_lightning"``: the package the trainer's class comes from."""
+    for cls in type(trainer).__mro__:
+        module = cls.__module__
+        for ns in _NAMESPACES:
+            if module == ns or module.startswith(ns + "."):
+                return ns
+    raise RetuneError(
+        f"{type(trainer).__name__} is not a Lightning Trainer (from lightning.pytorch or pytorch_lightning)"
+    )
+
+
+@cache
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(name)
+
+
+@cache
+def _major(ns: str) -> int:
+    version = str(_module(ns).__version__)
+    return int(version.split(".")[0])
+
+
+def is_legacy(trainer: Any) -> bool:
+    """True on Lightning 1.x (the 1.9 line Flash pins)."""
+    return _major(namespace_of(trainer)) < 2
+
+
+def callback_base_classes() -> tuple[type, ...]:
+    """Lightning ``Callback`` classes of every installed namespace.
+
+    retune's callback inherits from all of them so that ``isinstance`` checks (LightningCLI's
+    ``trainer.callbacks`` type, the callback connector) pass whichever namespace the user uses.
+    """
+    bases: list[type] = []
+    for ns in _NAMESPACES:
+        try:
+            callback = _module(ns + ".callbacks").Callback
+        except ImportError:
+            continue
+        if callback not in bases:
+            bases.append(callback)
+    if not bases:
+        raise ImportError("retune needs Lightning: pip install 'pytorch-lightning>=1.9' (or 'lightning')")
+    return tuple(bases)
+
+
+# -- the batch size attribute ------------------------------------------------------------------
+
+
+def _parsing(trainer: Any) -> ModuleType:
+    return _module(namespace_of(trainer) + ".utilities.parsing")
+
+
+def has_batch_attr(trainer: Any, pl_module: Any, name: str) -> bool:
+    return bool(_parsing(trainer).lightning_hasattr(pl_module, name))
+
+
+def get_batch_attr(trainer: Any, pl_module: Any, name: str) -> int:
+    value = _parsing(trainer).lightning_getattr(pl_module, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RetuneError(f"`{name}` must hold an int batch size, found {value!r}")
+    return value
+
+
+def set_batch_attr(trainer: Any, pl_module: Any, name: str, value: int) -> None:
+    """Write ``value`` everywhere Lightning's lookup finds ``name`` (model, hparams, datamodule)."""
+    _parsing(trainer).lightning_setattr(pl_module, name, value)
+
+
+# -- data --------------------------------------------------------------------------------------
+
+
+def _train_source(trainer: Any) -> Any:
+    if is_legacy(trainer):
+        return trainer._data_connector._train_dataloader_source
+    return trainer.fit_loop._data_source
+
+
+def check_train_source(trainer: Any) -> None:
+    """Refuse dataloaders passed straight to ``fit()``: their batch size cannot be changed."""
+    if not _train_source(trainer).is_module():
+        raise RetuneError(
+            "ScheduledBatchSizeFinder needs to rebuild the train dataloader at new batch sizes, so the "
+            "dataloader must come from `train_dataloader()` of your LightningModule or LightningDataModule, "
+            "not be passed to `trainer.fit(train_dataloaders=...)`."
+        )
+
+
+def request_train_dataloader(trainer: Any) -> Any:
+    """Call the user's ``train_dataloader`` hook (at whatever batch size the attribute now holds)."""
+    source = _train_source(trainer)
+    if is_legacy(trainer):
+        return source.dataloader()
+    return _module(namespace_of(trainer) + ".trainer.connectors.data_connector")._request_dataloader(source)
+
+
+def reload_train_dataloader(trainer: Any) -> None:
+    """Make the epoch that is about to start iterate a dataloader built at the current batch size."""
+    if is_legacy(trainer):
+        trainer.reset_train_dataloader(trainer.lightning_module)
+        return
+    loop = trainer.fit_loop
+    loop._combined_loader = None
+    loop.setup_data()
+
+
+def num_training_batches(trainer: Any) -> float:
+    return float(trainer.num_training_batches)
+
+
+def batch_to_device(trainer: Any, pl_module: Any, batch: Any) -> Any:
+    """The same transfer the training loop does: ``on_before_batch_transfer``, then the strategy's."""
+    batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+
+
+def iterate_batches(loader: Any) -> Generator[Any, None, None]:
+    """Batches from what ``train_dataloader()`` returned: one loader, or a dict/list of loaders
+    combined the way Lightning's default ``max_size_cycle`` does (each cycled, batches zipped)."""
+    if isinstance(loader, Mapping):
+        iters = {key: _cycle(value) for key, value in loader.items()}
+        while True:
+            yield {key: next(it) for key, it in iters.items()}
+    if isinstance(loader, Sequence) and not isinstance(loader, (str, bytes)) and _all_iterable(loader):
+        seq = [_cycle(value) for value in loader]
+        while True:
+            yield [next(it) for it in seq]
+    yield from _cycle(loader)
+
+
+def _all_iterable(items: Sequence[Any]) -> bool:
+    return len(items) > 0 and all(hasattr(item, "__iter__") and not isinstance(item, torch.Tensor) for item in items)
+
+
+def _cycle(loader: Any) -> Generator[Any, None, None]:
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise RetuneError("the train dataloader yielded no batches, so no batch size can be probed")
+
+
+def dataset_length(loader: Any, world_size: int) -> int | None:
+    """Samples one rank sees per epoch, when the dataset has a length (None for iterable datasets)."""
+    loaders = list(loader.values()) if isinstance(loader, Mapping) else [loader]
+    if isinstance(loader, Sequence) and _all_iterable(loader):
+        loaders = list(loader)
+    lengths = []
+    for dl in loaders:
+        dataset = getattr(dl, "dataset", None)
+        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
+            return None
+        try:
+            lengths.append(-(-len(dataset) // max(world_size, 1)))
+        except TypeError:
+            return None
+    return max(lengths) if lengths else None
+
+
+# -- running one training step outside the loop ------------------------------------------------
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    if output is None:
+        return None
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = output.get("loss") if isinstance(output, Mapping) else None
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise RetuneError(
+        f"training_step returned {type(output).__name__}; Lightning expects a loss tensor, "
+        "a dict with a 'loss' key, or None"
+    )
+
+
+def training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    """One real training step: forward, backward and optimizer step under the trainer's strategy and
+    precision (autocast, grad scaler, DDP forward redirection), without the loop's bookkeeping."""
+    strategy = trainer.strategy
+    legacy = is_legacy(trainer)
+    if not pl_module.automatic_optimization:
+        strategy.training_step(batch, batch_idx)  # the user's step does backward and step itself
+        return
+    optimizers = list(trainer.optimizers)
+    if len(optimizers) != 1:
+        raise RetuneError(
+            f"automatic optimization with {len(optimizers)} optimizers is not supported by the probe; "
+            "use one optimizer or manual optimization"
+        )
+    optimizer = optimizers[0]
+
+    def closure() -> torch.Tensor | None:
+        loss = _loss_of(strategy.training_step(batch, batch_idx))
+        if loss is None:
+            return None
+        if legacy:
+            strategy.backward(loss, optimizer, 0)
+        else:
+            strategy.backward(loss, optimizer)
+        return loss
+
+    optimizer.zero_grad(set_to_none=True)
+    if legacy:
+        strategy.optimizer_step(optimizer, 0, closure, model=pl_module)
+    else:
+        strategy.optimizer_step(optimizer, closure, model=pl_module)
+
+
+@contextmanager
+def hooks_isolated(trainer: Any, pl_module: Any) -> Iterator[None]:
+    """Hide probe steps from callbacks, loggers and logged metrics.
+
+    Callbacks and loggers are swapped for none / a dummy logger; ``self.log`` calls go to a throwaway
+    result collection. Everything is put back even when the probe raises.
+    """
+    ns = namespace_of(trainer)
+    epoch_loop = trainer.fit_loop.epoch_loop
+    saved_callbacks = trainer.callbacks
+    saved_loggers = list(trainer.loggers)
+    saved_results = epoch_loop._results
+    saved_fx = pl_module._current_fx_name
+    result_cls = _module(ns + ".trainer.connectors.logger_connector.result")._ResultCollection
+    dummy = _module(ns + ".loggers.logger").DummyLogger
+    try:
+        trainer.callbacks = []
+        trainer.loggers = [dummy()] if saved_loggers else []
+        epoch_loop._results = result_cls(training=True)
+        if is_legacy(trainer):
+            epoch_loop._results.device = saved_results.device
+        pl_module._current_fx_name = "training_step"
+        yield
+    finally:
+        trainer.callbacks = saved_callbacks
+        trainer.loggers = saved_loggers
+        epoch_loop._results = saved_results
+        pl_module._current_fx_name = saved_fx
+
+
+# -- state that a probe can change -------------------------------------------------------------
+
+
+def loop_progress(trainer: Any) -> list[Any]:
+    """Progress-tracking objects in the fit loop tree (they have ``state_dict``/``load_state_dict``)."""
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        for value in vars(obj).values():
+            if dataclasses.is_dataclass(value) and hasattr(value, "load_state_dict"):
+                found.append(value)
+            elif _is_loop(value):
+                walk(value)
+
+    walk(trainer.fit_loop)
+    return found
+
+
+def _is_loop(value: Any) -> bool:
+    return any(cls.__name__ in ("_Loop", "Loop") for cls in type(value).__mro__) and hasattr(value, "trainer")
+
+
+def loop_counters(trainer: Any) -> list[tuple[Any, str]]:
+    """Plain int counters a step increments outside the progress objects."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return [(epoch_loop, "_batches_that_stepped")] if hasattr(epoch_loop, "_batches_that_stepped") else []
+
+
+def lr_schedulers(trainer: Any) -> list[Any]:
+    return [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
+
+
+def grad_scaler(trainer: Any) -> Any | None:
+    return getattr(trainer.precision_plugin, "scaler", None)
+
+
+# -- reporting ---------------------------------------------------------------------------------
+
+
+def refresh_progress_bar(trainer: Any) -> None:
+    """Let a TQDM bar show the new number of batches of the epoch whose loader was just rebuilt."""
+    bar = getattr(trainer, "progress_bar_callback", None)
+    train_bar = getattr(bar, "_train_progress_bar", None)
+    if train_bar is not None and hasattr(train_bar, "reset"):
+        total = trainer.num_training_batches
+        train_bar.reset(total=None if total == float("inf") else int(total))

@@ -1,0 +1,46 @@
+"""What a search did, as plain records: kept in ``callback.history``, in checkpoints and in JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, NamedTuple
+
+
+class Trial(NamedTuple):
+    """One candidate size and whether a real training step at that size fit in memory."""
+
+    batch_size: int
+    fits: bool
+
+
+@dataclass(frozen=True)
+class RetuneEvent:
+    """One search: when it ran, why, and what it found.
+
+    ``trigger`` is the kind that fired (several joined by ``"+"``, e.g. ``"epoch+trainable_params_changed"``).
+    ``trials`` are in the order tried. ``direction`` is what the trigger implied for a warm start:
+    ``"down"`` after more parameters became trainable, ``"up"`` after fewer, else ``"unknown"``.
+    """
+
+    epoch: int
+    global_step: int
+    trigger: str
+    stage: str
+    batch_size_before: int
+    batch_size_after: int
+    trials: list[Trial] = field(default_factory=list)
+    duration_s: float = 0.0
+    direction: str = "unknown"
+    max_fitting: int | None = None
+    min_failing: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["trials"] = [[t.batch_size, t.fits] for t in self.trials]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RetuneEvent:
+        values = dict(data)
+        values["trials"] = [Trial(int(size), bool(fits)) for size, fits in values.get("trials", [])]
+        return cls(**values)

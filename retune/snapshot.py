@@ -1,0 +1,196 @@
+"""Capture what a probe step can change, and put it back bit for bit.
+
+Lightning's finder saves a full checkpoint to disk and loads it back. A probe can only change
+what an optimizer step and a forward pass touch, so this snapshot copies exactly that:
+
+* parameters that can receive a gradient (``requires_grad``, or already holding a ``.grad``) and
+  their gradients; frozen parameters are left alone, so a frozen backbone costs nothing;
+* all buffers (batch-norm statistics move in any training forward) and train/eval flags;
+* optimizer state and hyperparameters, LR scheduler and grad scaler state;
+* RNG states (python, numpy, torch, CUDA) and any extra generators (a sampler's own generator);
+* any extra ``state_dict``/``load_state_dict`` objects (the loops' progress counters).
+
+Copies live in host memory, so the snapshot does not take device memory away from the probe it
+protects. Restoring writes back *in place*: parameter, buffer and optimizer-state tensors keep
+their identity, which matters to anything holding a reference (``LightningOptimizer`` shares the
+optimizer's ``state`` dict, DDP's reducer holds the parameters).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.device.type == "cpu":
+        return tensor.detach().clone()
+    return tensor.detach().to("cpu", copy=True)
+
+
+@dataclass
+class _ParamState:
+    param: nn.Parameter
+    data: torch.Tensor
+    grad: torch.Tensor | None
+
+
+@dataclass
+class _OptimizerState:
+    optimizer: torch.optim.Optimizer
+    # per parameter: key -> (original tensor to write back into, host copy) or plain value
+    state: dict[Any, dict[str, Any]]
+    groups: list[dict[str, Any]]
+
+
+@dataclass
+class TrainingSnapshot:
+    """An in-memory copy of the state a probe can change. Create with :meth:`capture`."""
+
+    params: list[_ParamState] = field(default_factory=list)
+    buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
+    optimizers: list[_OptimizerState] = field(default_factory=list)
+    stateful: list[tuple[Any, Any]] = field(default_factory=list)
+    counters: list[tuple[Any, str, Any]] = field(default_factory=list)
+    rng: dict[str, Any] = field(default_factory=dict)
+    generators: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)
+    nbytes: int = 0
+
+    @classmethod
+    def capture(
+        cls,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
+        stateful: Iterable[Any] = (),
+        counters: Iterable[tuple[Any, str]] = (),
+        generators: Iterable[torch.Generator] = (),
+    ) -> TrainingSnapshot:
+        """Copy the changeable state of ``module`` and ``optimizers``.
+
+        ``stateful`` objects (LR schedulers, grad scaler, loop progress) are saved through their own
+        ``state_dict()``; ``counters`` are ``(object, attribute)`` pairs of plain values.
+        """
+        snap = cls()
+        for param in module.parameters():
+            if param.requires_grad or param.grad is not None:
+                grad = None if param.grad is None else _host_copy(param.grad)
+                snap.params.append(_ParamState(param, _host_copy(param.data), grad))
+                snap.nbytes += param.numel() * param.element_size() * (1 if grad is None else 2)
+        for sub in module.modules():
+            snap.modes.append((sub, sub.training))
+            for name, buf in sub._buffers.items():
+                if buf is not None:
+                    snap.buffers.append((sub, name, buf, _host_copy(buf)))
+                    snap.nbytes += buf.numel() * buf.element_size()
+        for optimizer in optimizers:
+            state: dict[Any, dict[str, Any]] = {}
+            for p, entries in optimizer.state.items():
+                saved: dict[str, Any] = {}
+                for key, value in entries.items():
+                    if isinstance(value, torch.Tensor):
+                        saved[key] = (value, _host_copy(value))
+                        snap.nbytes += value.numel() * value.element_size()
+                    else:
+                        saved[key] = copy.deepcopy(value)
+                state[p] = saved
+            groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            snap.optimizers.append(_OptimizerState(optimizer, state, groups))
+        snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in stateful]
+        snap.counters = [(obj, name, copy.deepcopy(getattr(obj, name))) for obj, name in counters]
+        snap.rng = _rng_state()
+        snap.generators = [(g, g.get_state()) for g in generators]
+        return snap
+
+    def restore(self) -> None:
+        """Write everything back. Safe to call several times (once after each probe)."""
+        with torch.no_grad():
+            for entry in self.params:
+                entry.param.data.copy_(entry.data)
+                if entry.grad is None:
+                    entry.param.grad = None
+                elif entry.param.grad is not None and entry.param.grad.shape == entry.grad.shape:
+                    entry.param.grad.copy_(entry.grad)
+                else:
+                    entry.param.grad = entry.grad.to(entry.param.device, copy=True)
+            for sub, name, original, saved in self.buffers:
+                original.copy_(saved)
+                sub._buffers[name] = original
+        for sub, training in self.modes:
+            sub.training = training
+        for opt in self.optimizers:
+            _restore_optimizer(opt)
+        for obj, state in self.stateful:
+            obj.load_state_dict(copy.deepcopy(state))
+        for obj, name, value in self.counters:
+            setattr(obj, name, copy.deepcopy(value))
+        _set_rng_state(self.rng)
+        for generator, gen_state in self.generators:
+            generator.set_state(gen_state)
+
+
+def _restore_optimizer(opt: _OptimizerState) -> None:
+    optimizer = opt.optimizer
+    restored: dict[Any, dict[str, Any]] = {}
+    with torch.no_grad():
+        for p, saved in opt.state.items():
+            entries: dict[str, Any] = {}
+            for key, value in saved.items():
+                if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
+                    original, host = value
+                    original.copy_(host)
+                    entries[key] = original
+                else:
+                    entries[key] = copy.deepcopy(value)
+            restored[p] = entries
+    # in place: LightningOptimizer shares this dict object with the wrapped optimizer
+    optimizer.state.clear()
+    optimizer.state.update(restored)
+    for group, saved_group in zip(optimizer.param_groups, opt.groups, strict=True):
+        for key in [k for k in group if k != "params" and k not in saved_group]:
+            del group[key]
+        group.update(copy.deepcopy(saved_group))
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def sampler_generators(loader: Any) -> list[torch.Generator]:
+    """Generators a dataloader draws from when iterated (its own, its sampler's, its batch sampler's).
+
+    A datamodule that keeps one generator and hands it to every dataloader it builds would otherwise
+    see the probe's draws shift the next epoch's shuffle order.
+    """
+    found: list[torch.Generator] = []
+    candidates = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if batch_sampler is not None:
+        candidates.append(getattr(batch_sampler, "sampler", None))
+    for obj in candidates:
+        generator = getattr(obj, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
