@@ -86,6 +86,7 @@ class FineTuneModel(pl.LightningModule):
             for p in self.backbone.parameters():
                 p.requires_grad = False
         self.train_batch_sizes: list[int] = []
+        self.epoch_true_max: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(x))
@@ -96,6 +97,14 @@ class FineTuneModel(pl.LightningModule):
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, on_step=True, on_epoch=True)
         return loss
+
+    def on_train_epoch_start(self) -> None:
+        # runs after every callback's on_train_epoch_start, so it sees this epoch's frozen/unfrozen state
+        self.epoch_true_max.append(self.true_max_now())
+
+    def true_max_now(self) -> int:
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        return self.oracle.true_max(trainable, sum(p.numel() for p in self.parameters()))
 
     def on_train_batch_start(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         self.train_batch_sizes.append(int(batch[0].shape[0]))
