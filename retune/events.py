@@ -18,8 +18,9 @@ class RetuneEvent:
     """One search: when it ran, why, and what it found.
 
     ``trigger`` is the kind that fired (several joined by ``"+"``, e.g. ``"epoch+trainable_params_changed"``).
-    ``trials`` are in the order tried. ``direction`` is what the trigger implied for a warm start:
-    ``"down"`` after more parameters became trainable, ``"up"`` after fewer, else ``"unknown"``.
+    ``trials`` are in the order tried. ``direction`` is ``"cold"`` for a search from ``init_val`` (fit
+    start, or no earlier result), else what the trigger implied for the warm start: ``"down"`` after more
+    parameters became trainable, ``"up"`` after fewer, ``"unknown"`` otherwise.
     """
 
     epoch: int

@@ -25,8 +25,8 @@ _OOM_MESSAGES = (
 
 def is_oom_error(exc: BaseException) -> bool:
     """True when ``exc`` says the device ran out of memory."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True  # MemoryError: host RAM exhausted by the step's Python side (collate, numpy)
     if not isinstance(exc, RuntimeError):
         return False
     text = str(exc)

@@ -22,7 +22,7 @@ Example:
     >>> plan = SearchPlan(mode="binsearch", start=2, max_trials=25, margin=0.0, upper=8192)
     >>> result = run_search(plan, lambda size: size <= 100)
     >>> result.size, len(result.trials)
-    (100, 14)
+    (100, 13)
 """
 
 from __future__ import annotations

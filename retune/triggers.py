@@ -120,8 +120,9 @@ class ParamGroupsChanged:
         before, self.baseline = self.baseline, view.param_groups
         if before is None or before == view.param_groups:
             return None
-        old = sum(len(group) for group in before)
-        new = sum(len(group) for group in view.param_groups)
+        old = frozenset().union(*before)
+        new = frozenset().union(*view.param_groups)
+        # strictly more parameters to train costs more memory; a swap (freeze a layer, add an adapter) is unknown
         return "down" if new > old else "up" if new < old else "unknown"
 
     def state_dict(self) -> dict[str, Any]:

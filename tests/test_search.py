@@ -431,9 +431,7 @@ def test_warm_previous_min_failing_not_above_start_is_dropped() -> None:
 # --- plan validation and doctests -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"start": 0}, {"upper": 0}, {"max_trials": 0}, {"start": -1}]
-)
+@pytest.mark.parametrize("kwargs", [{"start": 0}, {"upper": 0}, {"max_trials": 0}, {"start": -1}])
 def test_invalid_plan_raises(kwargs: dict[str, int]) -> None:
     values = {"mode": "binsearch", "start": 2, "max_trials": 25, "margin": 0.0, "upper": 8192, **kwargs}
     with pytest.raises(ValueError, match="invalid search plan"):
@@ -443,14 +441,7 @@ def test_invalid_plan_raises(kwargs: dict[str, int]) -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        pytest.param(
-            retune.search,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="retune/search.py docstring example says (100, 14); run_search takes 13 trials",
-            ),
-            id="search",
-        ),
+        pytest.param(retune.search, id="search"),
         pytest.param(retune.schedule, id="schedule"),
     ],
 )
@@ -458,3 +449,11 @@ def test_module_doctests_pass(module: ModuleType) -> None:
     outcome = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert outcome.attempted > 0, module.__name__
     assert outcome.failed == 0, module.__name__
+
+
+def test_warm_start_from_margin_result_does_not_compound_margin() -> None:
+    first = run_search(cold("binsearch", margin=0.05), fits_upto(300))
+    assert (first.size, first.max_fitting, first.min_failing) == (285, 300, 301)
+    again = run_search(warm(first, "unknown", margin=0.05), fits_upto(300))
+    assert sizes(again) == [300, 301]
+    assert again.size == 285

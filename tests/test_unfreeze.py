@@ -107,7 +107,7 @@ class _FlashStyleUnfreeze(callbacks.BaseFinetuning):  # type: ignore[misc,name-d
     def freeze_before_training(self, pl_module: Any) -> None:
         self.freeze(pl_module.backbone)
 
-    def finetune_function(self, pl_module: Any, epoch: int, optimizer: Any) -> None:
+    def finetune_function(self, pl_module: Any, epoch: int, optimizer: Any, *legacy_opt_idx: int) -> None:
         if epoch != self.at:
             return
         params = list(pl_module.backbone.parameters())
