@@ -10,7 +10,6 @@ TORCH ?= torch==2.13.0
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH) -e ".[lightning,dev]"
 	touch $@
 

@@ -202,6 +202,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             fit_starting=self._fit_starting,
             trainable_params=trainable,
             param_groups=groups,
+            fts_phase=compat.fts_phase(trainer),
         )
 
     def _move_last(self, trainer: Any) -> None:

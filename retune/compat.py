@@ -316,6 +316,15 @@ def grad_scaler(trainer: Any) -> Any | None:
     return getattr(trainer.precision_plugin, "scaler", None)
 
 
+def fts_phase(trainer: Any) -> int | None:
+    """finetuning-scheduler's current phase, found by duck typing so FTS stays an optional install."""
+    for callback in trainer.callbacks:
+        depth = getattr(callback, "curr_depth", None)
+        if isinstance(depth, int) and hasattr(callback, "ft_schedule"):
+            return depth
+    return None
+
+
 # -- reporting ---------------------------------------------------------------------------------
 
 

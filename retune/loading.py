@@ -223,6 +223,7 @@ def _model_at(loc: Sequence[int | str], data_kind: str | None) -> type[BaseModel
                 "epoch": sched.EpochTrigger,
                 "param_groups_changed": sched.ParamGroupsChangedTrigger,
                 "trainable_params_changed": sched.TrainableParamsChangedTrigger,
+                "fts_phase": sched.FtsPhaseTrigger,
             }
             kind = parts[i + 2] if i + 2 < len(parts) else data_kind
             found = by_kind.get(str(kind))

@@ -188,11 +188,23 @@ class TrainableParamsChangedTrigger(_Config):
     )
 
 
+class FtsPhaseTrigger(_Config):
+    """Search when finetuning-scheduler moves to another phase (epoch- or early-stopping-driven)."""
+
+    kind: Literal["fts_phase"] = "fts_phase"
+
+
 TriggerConfig = Annotated[
-    Union[FitStartTrigger, EpochTrigger, ParamGroupsChangedTrigger, TrainableParamsChangedTrigger],
+    Union[FitStartTrigger, EpochTrigger, ParamGroupsChangedTrigger, TrainableParamsChangedTrigger, FtsPhaseTrigger],
     Field(discriminator="kind"),
 ]
-TRIGGER_KINDS: tuple[str, ...] = ("fit_start", "epoch", "param_groups_changed", "trainable_params_changed")
+TRIGGER_KINDS: tuple[str, ...] = (
+    "fit_start",
+    "epoch",
+    "param_groups_changed",
+    "trainable_params_changed",
+    "fts_phase",
+)
 
 
 class ApplyConfig(_Config):

@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 from retune.schedule import (
     EpochTrigger,
     FitStartTrigger,
+    FtsPhaseTrigger,
     ParamGroupsChangedTrigger,
     TrainableParamsChangedTrigger,
     TriggerConfig,
@@ -53,6 +54,8 @@ class TrainingView:
     """Number of parameter elements with ``requires_grad=True``."""
     param_groups: tuple[frozenset[str], ...]
     """Per optimizer, the names of all parameters in its param groups."""
+    fts_phase: int | None = None
+    """finetuning-scheduler's current phase (``curr_depth``), or None without that callback."""
 
 
 @runtime_checkable
@@ -160,6 +163,27 @@ class TrainableParamsChanged:
         self.baseline = state.get("baseline")
 
 
+class FtsPhase:
+    """Fires when finetuning-scheduler's phase changes; a deeper phase unfreezes more, so "down"."""
+
+    kind = "fts_phase"
+
+    def __init__(self) -> None:
+        self.baseline: int | None = None
+
+    def check(self, view: TrainingView) -> Direction | None:
+        before, self.baseline = self.baseline, view.fts_phase
+        if before is None or view.fts_phase is None or before == view.fts_phase:
+            return None
+        return "down" if view.fts_phase > before else "up"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"baseline": self.baseline}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.baseline = state.get("baseline")
+
+
 def build_triggers(configs: Sequence[TriggerConfig]) -> list[Trigger]:
     """The trigger objects for a schedule's ``triggers`` list."""
     triggers: list[Trigger] = []
@@ -172,6 +196,8 @@ def build_triggers(configs: Sequence[TriggerConfig]) -> list[Trigger]:
             triggers.append(ParamGroupsChanged())
         elif isinstance(config, TrainableParamsChangedTrigger):
             triggers.append(TrainableParamsChanged(config.min_fraction))
+        elif isinstance(config, FtsPhaseTrigger):
+            triggers.append(FtsPhase())
         else:  # pragma: no cover - the schedule's discriminated union admits nothing else
             raise TypeError(f"unknown trigger config {config!r}")
     return triggers

@@ -301,12 +301,17 @@ def test_no_size_fits_raises_retune_error_naming_trigger_epoch_and_smallest_size
     assert model.seen == [] and finder.history == [] and finder.batch_size is None
 
 
-def _failing_run(make_exc: Callable[[], BaseException]) -> tuple[Any, Any, Any, Any]:
-    """Epoch 0 trains at 8; the search at epoch 1 tries 16 and 32 (real steps) and then hits 64."""
+def _failing_run(make_exc: Callable[[], BaseException], finder_first: bool) -> tuple[Any, Any, Any, Any]:
+    """Epoch 0 trains at 8; the search at epoch 1 tries 16 and 32 (real steps) and then hits 64.
+
+    The capture callback copies the state at epoch 1's start before the search runs, even when the
+    user lists it after the finder: the finder moves itself to the end of the callback list.
+    """
     model = C.FailingModel(fail_at=64, make_exc=make_exc, n=64)
     capture = C.Capture()
     finder = ScheduledBatchSizeFinder(schedule({"kind": "epoch", "at": [1]}, init_val=16), verbose=False)
-    trainer = make_trainer(capture, finder, max_epochs=2)
+    cbs = (finder, capture) if finder_first else (capture, finder)
+    trainer = make_trainer(*cbs, max_epochs=2)
     return model, capture, finder, trainer
 
 
@@ -319,7 +324,7 @@ def _assert_restored_to_epoch_start(model: Any, capture: Any) -> None:
 
 
 def test_non_memory_error_in_probe_restores_state_and_reraises_original() -> None:
-    model, capture, finder, trainer = _failing_run(lambda: ValueError("bad label at this size"))
+    model, capture, finder, trainer = _failing_run(lambda: ValueError("bad label at this size"), finder_first=False)
     with pytest.raises(ValueError, match="bad label") as info:
         trainer.fit(model)
     assert info.value is model.raised  # the user's own exception object, not a wrapper
@@ -331,7 +336,7 @@ def test_non_memory_error_in_probe_restores_state_and_reraises_original() -> Non
 
 
 def test_keyboard_interrupt_in_probe_restores_state_and_trainer_reports_interruption(restore_sigint: None) -> None:
-    model, capture, finder, trainer = _failing_run(KeyboardInterrupt)
+    model, capture, finder, trainer = _failing_run(KeyboardInterrupt, finder_first=True)
     # Lightning 2.x catches KeyboardInterrupt in fit(), tears down, marks the run INTERRUPTED and
     # calls sys.exit(1) from its except block, so the original is the SystemExit's context.
     with pytest.raises(SystemExit) as info:
