@@ -18,8 +18,9 @@ from retune import compat
 from retune.errors import RetuneError
 from retune.events import RetuneEvent, Trial
 from retune.loading import ScheduleSource, load_schedule
+from retune.memory import device_total_bytes
 from retune.probe import Prober
-from retune.search import SearchResult, plan_search, run_search
+from retune.search import MemoryModel, Mode, SearchResult, plan_search, run_model_search, run_search
 from retune.triggers import Firing, TrainingView, Trigger, build_triggers, evaluate
 
 log = logging.getLogger("retune")
@@ -61,6 +62,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self.batch_size: int | None = None
         self.history: list[RetuneEvent] = []
         self._last: SearchResult | None = None
+        self._memory_model: MemoryModel | None = None
         self._fit_starting = False
         self._restored = False
         self._disabled = False
@@ -111,6 +113,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             "last": None
             if self._last is None
             else {"max_fitting": self._last.max_fitting, "min_failing": self._last.min_failing},
+            "memory_model": None
+            if self._memory_model is None
+            else {"fixed": self._memory_model.fixed, "per_sample": self._memory_model.per_sample},
             "history": [event.to_dict() for event in self.history],
             "triggers": [_trigger_state(t) for t in self.triggers],
         }
@@ -119,6 +124,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self.batch_size = state_dict.get("batch_size")
         last = state_dict.get("last")
         self._last = None if last is None else SearchResult(self.batch_size, last["max_fitting"], last["min_failing"])
+        model = state_dict.get("memory_model")
+        self._memory_model = None if model is None else MemoryModel(model["fixed"], model["per_sample"])
         self.history = [RetuneEvent.from_dict(e) for e in state_dict.get("history", [])]
         for trigger, saved in zip(self.triggers, state_dict.get("triggers", []), strict=False):
             if saved is not None and hasattr(trigger, "load_state_dict"):
@@ -132,9 +139,12 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         name = self.schedule.batch_arg_name
         before = compat.get_batch_attr(trainer, pl_module, name)
         started = time.perf_counter()
+        device = pl_module.device
+        budget = self.schedule.memory.budget_bytes(device_total_bytes(device))
+        mode, limit, note = self._mode_and_limit(device, budget)
         loader = compat.request_train_dataloader(trainer)
         plan = plan_search(
-            mode="binsearch" if config.mode == "binsearch" else "power",
+            mode=mode,
             init_val=config.init_val,
             max_trials=config.max_trials,
             margin=config.margin,
@@ -147,10 +157,14 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         del loader
         epoch = trainer.current_epoch
         self._say(f"epoch {epoch}: {firing.label} fired, searching the train batch size (from {plan.start})")
-        prober = Prober(trainer, pl_module, name, config.steps_per_trial, on_trial=self._report_trial)
+        prober = Prober(trainer, pl_module, name, config.steps_per_trial, budget, on_trial=self._report_trial)
         try:
-            with prober.session() as fits:
-                result = run_search(plan, fits)
+            with prober.session():
+                if mode == "model" and limit is not None:
+                    prior = None if cold else self._memory_model
+                    result = run_model_search(plan, prober.measure, limit, prior)
+                else:
+                    result = run_search(plan, prober.fits)
         except BaseException:
             compat.set_batch_attr(trainer, pl_module, name, before)
             raise
@@ -178,14 +192,36 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             direction="cold" if cold else firing.direction,
             max_fitting=result.max_fitting,
             min_failing=result.min_failing,
+            peak_bytes=list(prober.peaks),
+            budget_bytes=budget,
+            mode=mode,
+            note=note,
         )
         self.history.append(event)
         self.batch_size = result.size
         self._last = result
+        if result.model is not None:
+            self._memory_model = result.model
         self._say(
             f"epoch {epoch}: batch size {before} -> {result.size} ({len(result.trials)} trials, "
             f"{event.duration_s:.2f}s, trigger {firing.label})"
         )
+
+    def _mode_and_limit(self, device: Any, budget: int | None) -> tuple[Mode, int | None, str]:
+        """The search to run and the memory limit ``model`` mode predicts against.
+
+        ``model`` needs measured peaks and a limit: the budget, or a CUDA device's total memory.
+        Without both it falls back to ``binsearch`` and says so in the event.
+        """
+        mode = self.schedule.search.mode
+        if mode != "model":
+            return mode, budget, ""
+        if budget is not None and device.type in ("cpu", "cuda"):
+            return "model", budget, ""
+        if device.type == "cuda":
+            return "model", device_total_bytes(device), ""
+        reason = "no memory.budget set" if budget is None else f"no memory statistics on {device.type}"
+        return "binsearch", None, f"model mode needs measured peaks and a limit ({reason}); fell back to binsearch"
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -214,8 +250,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             return
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
 
-    def _report_trial(self, size: int, fits: bool) -> None:
-        self._say(f"  trial batch_size={size}: {'fits' if fits else 'out of memory'}")
+    def _report_trial(self, size: int, fits: bool, peak: int | None) -> None:
+        memory = "" if peak is None else f", peak {peak / 2**20:.1f} MiB"
+        self._say(f"  trial batch_size={size}: {'fits' if fits else 'does not fit'}{memory}")
 
     def _say(self, message: str, warn: bool = False) -> None:
         if warn:

@@ -1,4 +1,8 @@
-"""The ``retune`` command: check, show and publish the schedule format from a shell or CI."""
+"""The ``retune`` command: check, show and publish the schedule format; run the demo; re-render reports.
+
+``demo`` and ``report`` import their modules (Lightning, matplotlib) only when run, so ``retune
+validate`` in CI stays a light, fast import.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import yaml
 
@@ -48,6 +53,64 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from retune.demo import DemoConfig, run_demo
+
+    given = {
+        "schedule": args.schedule,
+        "epochs": args.epochs,
+        "budget": args.budget,
+        "out": None if args.out is None else Path(args.out),
+        "seed": args.seed,
+        "unfreeze_at": args.unfreeze_at,
+        "pretrain_epochs": args.pretrain_epochs,
+        "limit": args.limit,
+        "progress_bar": args.progress_bar,
+    }
+    try:
+        run_demo(DemoConfig(**{k: v for k, v in given.items() if v is not None}))
+    except (ScheduleError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from retune import report
+
+    path = Path(args.history)
+    try:
+        history = report.read_history(path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"error: {path}: cannot read a retune history: {exc}", file=sys.stderr)
+        return 1
+    print(report.format_table(history.events))
+    if args.no_plot:
+        return 0
+    png = Path(args.plot) if args.plot else path.with_suffix(".png")
+    try:
+        report.plot_history(png, history)
+    except ImportError as exc:
+        print(f"error: the plot needs matplotlib ({exc}); pip install matplotlib", file=sys.stderr)
+        return 1
+    print(f"plot: {png}")
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="retune", description="Re-tune the batch size of a Lightning fine-tuning run when its memory needs change."
@@ -66,6 +129,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--format", choices=("yaml", "json"), default="yaml")
     p.set_defaults(func=_show)
+
+    # Defaults live in retune.demo.DemoConfig (None here means "the demo's default"); the help
+    # repeats them so that `retune --help` does not import torch and Lightning to print them.
+    p = sub.add_parser(
+        "demo",
+        help="fine-tune a small CNN on scikit-learn's digits and watch the batch size change at the unfreeze",
+        description="Pretrain a small CNN on handwritten digits 0-4, fine-tune it on 5-9 with BackboneFinetuning "
+        "(frozen, then unfrozen) and ScheduledBatchSizeFinder under a memory budget, then print the searches "
+        "and the accuracy and write history.json, history.csv and batch_size.png. About a minute on 2 CPU "
+        "cores; the data ships with scikit-learn, nothing is downloaded.",
+    )
+    p.add_argument(
+        "--schedule", metavar="FILE", help="schedule file (default: schedules/freeze_unfreeze.yaml)", default=None
+    )
+    p.add_argument("--epochs", type=_positive, default=None, metavar="N", help="fine-tuning epochs (default: 8)")
+    p.add_argument(
+        "--budget",
+        default=None,
+        metavar="SIZE",
+        help="memory budget such as 6MiB; written into the schedule's memory.budget (default: the "
+        "schedule's, else 6MiB). The demo enforces it with a simulated device, see retune/demo.py",
+    )
+    p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: ./retune-demo)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: 0)")
+    p.add_argument(
+        "--unfreeze-at",
+        type=_non_negative,
+        default=None,
+        metavar="EPOCH",
+        help="epoch at which BackboneFinetuning unfreezes the backbone, from 0 (default: 2)",
+    )
+    p.add_argument(
+        "--pretrain-epochs", type=_positive, default=None, metavar="N", help="backbone pretraining epochs (default: 12)"
+    )
+    p.add_argument(
+        "--limit",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="use at most N training images per task, for a quick run (default: all)",
+    )
+    bar = p.add_mutually_exclusive_group()
+    bar.add_argument(
+        "--progress-bar",
+        dest="progress_bar",
+        action="store_true",
+        default=None,
+        help="show Lightning's progress bar (default: only when stdout is a terminal)",
+    )
+    bar.add_argument("--no-progress-bar", dest="progress_bar", action="store_false")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser(
+        "report",
+        help="print the table of searches from a history.json and redraw its plot",
+        description="Re-render the table of re-tune events and the batch-size plot from a history.json "
+        "written by a run with ScheduledBatchSizeFinder (or by retune demo).",
+    )
+    p.add_argument("history", metavar="HISTORY_JSON")
+    p.add_argument("--plot", metavar="PNG", default=None, help="where to write the plot (default: beside the JSON)")
+    p.add_argument("--no-plot", action="store_true", help="print the table only")
+    p.set_defaults(func=_report)
     return parser
 
 

@@ -34,6 +34,13 @@ class RetuneEvent:
     direction: str = "unknown"
     max_fitting: int | None = None
     min_failing: int | None = None
+    peak_bytes: list[int | None] = field(default_factory=list)
+    """Measured peak memory of each trial, in the order of ``trials`` (None where not measurable)."""
+    budget_bytes: int | None = None
+    """The limit a trial's peak was held to (None: only a real out-of-memory error counted)."""
+    mode: str = ""
+    """The search mode that ran (``model`` falls back to ``binsearch`` without memory statistics)."""
+    note: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -30,12 +30,6 @@ SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml"}
 # asks for one fails loudly: accepting the key and ignoring it would be silent data loss.
 def _not_yet_supported(schedule: RetuneSchedule) -> list[FieldProblem]:
     problems = []
-    if schedule.search.mode == "model":
-        problems.append(FieldProblem("search.mode", "'model' is not available yet; use 'power' or 'binsearch'"))
-    if schedule.memory.budget is not None:
-        problems.append(
-            FieldProblem("memory.budget", f"{schedule.memory.budget!r}: budgets are not available yet; use null")
-        )
     if schedule.apply.accumulate != "free":
         problems.append(FieldProblem("apply.accumulate", f"{schedule.apply.accumulate!r} is not available yet"))
     if schedule.apply.lr_scaling != "none":

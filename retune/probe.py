@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from retune import compat
+from retune.memory import measure_peak
 from retune.oom import is_oom_error
 from retune.snapshot import TrainingSnapshot, sampler_generators
 
@@ -45,13 +46,17 @@ class Prober:
         pl_module: Any,
         batch_arg_name: str,
         steps_per_trial: int,
-        on_trial: Callable[[int, bool], None] | None = None,
+        budget_bytes: int | None = None,
+        on_trial: Callable[[int, bool, int | None], None] | None = None,
     ) -> None:
         self.trainer = trainer
         self.pl_module = pl_module
         self.batch_arg_name = batch_arg_name
         self.steps_per_trial = steps_per_trial
+        self.budget_bytes = budget_bytes
         self.on_trial = on_trial
+        self.peaks: list[int | None] = []
+        """Measured peak of each trial, in order (None where no statistic exists or the trial hit a real OOM)."""
         self._snapshot: TrainingSnapshot | None = None
 
     @contextmanager
@@ -80,14 +85,27 @@ class Prober:
         return 0 if self._snapshot is None else self._snapshot.nbytes
 
     def fits(self, size: int) -> bool:
-        """Run one trial at ``size``; False on an out-of-memory error, any other error propagates."""
-        assert self._snapshot is not None, "fits() is only valid inside session()"
+        """Run one trial at ``size``; False when it runs out of memory or exceeds the budget."""
+        return self.measure(size)[0]
+
+    def measure(self, size: int) -> tuple[bool, int | None]:
+        """Run one trial at ``size``: whether it fits, and its peak memory when measurable.
+
+        A trial fails on an out-of-memory error or a peak above the budget; any other error propagates
+        after the state is restored.
+        """
+        assert self._snapshot is not None, "measure() is only valid inside session()"
         compat.set_batch_attr(self.trainer, self.pl_module, self.batch_arg_name, size)
         loader = compat.request_train_dataloader(self.trainer)
         generators = [(g, g.get_state()) for g in sampler_generators(loader)]
         ok = True
+        optimizers = list(self.trainer.optimizers)
+        reading = None
         try:
-            with compat.hooks_isolated(self.trainer, self.pl_module):
+            with (
+                compat.hooks_isolated(self.trainer, self.pl_module),
+                measure_peak(self.pl_module.device, self.pl_module, optimizers) as reading,
+            ):
                 self._run_steps(loader)
         except BaseException as exc:
             if not is_oom_error(exc):
@@ -101,9 +119,13 @@ class Prober:
             self._snapshot.restore()
             for generator, state in generators:
                 generator.set_state(state)
+        peak = reading.peak_bytes if (ok and reading is not None) else None
+        if ok and peak is not None and self.budget_bytes is not None and peak > self.budget_bytes:
+            ok = False  # ran, but needs more than the budget allows
+        self.peaks.append(peak)
         if self.on_trial is not None:
-            self.on_trial(size, ok)
-        return ok
+            self.on_trial(size, ok, peak)
+        return ok, peak
 
     def _run_steps(self, loader: Any) -> None:
         batches = compat.iterate_batches(loader)  # a generator: close() ends its loader's workers

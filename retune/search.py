@@ -34,7 +34,7 @@ from typing import Literal
 from retune.events import Trial
 
 Direction = Literal["down", "up", "unknown"]
-Mode = Literal["power", "binsearch"]
+Mode = Literal["power", "binsearch", "model"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,23 @@ class SearchPlan:
             raise ValueError(f"invalid search plan {self}")
 
 
+@dataclass(frozen=True)
+class MemoryModel:
+    """``memory(batch) = fixed + per_sample * batch``, in bytes."""
+
+    fixed: float
+    per_sample: float
+
+    def predict(self, size: int) -> float:
+        return self.fixed + self.per_sample * size
+
+    def largest_within(self, limit: int, upper: int) -> int:
+        """The largest size the line keeps within ``limit`` (``upper`` when memory does not grow)."""
+        if self.per_sample <= 0:
+            return upper
+        return int(min(upper, (limit - self.fixed) // self.per_sample))
+
+
 @dataclass
 class SearchResult:
     """The outcome: ``size`` to apply (margin included) and what was learned on the way."""
@@ -64,6 +81,8 @@ class SearchResult:
     max_fitting: int | None
     min_failing: int | None
     trials: list[Trial] = field(default_factory=list)
+    peaks: list[int | None] = field(default_factory=list)
+    model: MemoryModel | None = None
 
 
 def plan_search(
@@ -130,6 +149,127 @@ def _next_size(plan: SearchPlan, lo: int | None, hi: int | None, hint: int | Non
 
 
 def _apply_margin(plan: SearchPlan, found: int | None) -> int | None:
-    if found is None or plan.mode != "binsearch" or plan.margin <= 0:
+    if found is None or plan.mode == "power" or plan.margin <= 0:
         return found
     return max(1, int(found * (1 - plan.margin)))
+
+
+# -- model mode ----------------------------------------------------------------------------------
+
+
+def run_model_search(
+    plan: SearchPlan,
+    measure: Callable[[int], tuple[bool, int | None]],
+    limit: int,
+    prior: MemoryModel | None = None,
+) -> SearchResult:
+    """Find the largest size whose measured peak stays within ``limit`` in a few probes.
+
+    Memory grows almost linearly with the batch size, so two measured peaks predict the answer:
+    fit ``fixed + per_sample * size`` through them, probe the predicted size, and stop there when its
+    measured peak plus one sample's worth of memory exceeds the limit. Otherwise the new point refines the line (a secant through
+    the points nearest the limit, kept inside the bracket of known fits and failures), and when the
+    line gives no progress the bracket is bisected, so the search still converges on non-linear
+    memory. ``prior`` (the last search's line) supplies the per-sample slope when only one point of
+    the new regime is known: unfreezing changes the fixed part most.
+
+    A probe without a peak (a real out-of-memory error) only moves the bracket.
+    """
+    lo: int | None = None
+    hi: int | None = plan.known_fail
+    points: dict[int, int] = {}
+    trials: list[Trial] = []
+    peaks: list[int | None] = []
+    size: int | None = plan.start
+    while size is not None:
+        ok, peak = measure(size)
+        trials.append(Trial(size, ok))
+        peaks.append(peak)
+        if peak is not None:
+            points[size] = peak
+        if ok:
+            lo = size if lo is None else max(lo, size)
+        else:
+            hi = size if hi is None else min(hi, size)
+        if len(trials) >= plan.max_trials:
+            break
+        size = _model_next(plan, lo, hi, points, limit, prior)
+    line = _secant(points, limit) or prior
+    return SearchResult(_apply_margin(plan, lo), lo, hi, trials, peaks, line)
+
+
+def _model_next(
+    plan: SearchPlan,
+    lo: int | None,
+    hi: int | None,
+    points: dict[int, int],
+    limit: int,
+    prior: MemoryModel | None,
+) -> int | None:
+    if lo is not None and hi is not None and hi - lo <= 1:
+        return None
+    if lo is not None and lo >= plan.upper:
+        return None
+    if hi is not None and hi <= 1 and lo is None:
+        return None
+    ceiling = plan.upper if hi is None else min(plan.upper, hi - 1)
+    floor = 1 if lo is None else lo + 1
+    line = _secant(points, limit)
+    if line is None and prior is not None and points:
+        size, peak = max(points.items())
+        line = MemoryModel(peak - prior.per_sample * size, prior.per_sample)
+    if line is None:  # one point or none: step geometrically, as a cold power search would
+        candidate = (hi // 2 if hi is not None else plan.start) if lo is None else lo * 8
+    else:
+        predicted = line.largest_within(limit, plan.upper)
+        if lo is not None and predicted <= lo:
+            if lo in points and points[lo] + _slope_left_of(points, lo) > limit:
+                return None  # measured at lo; one more sample's memory would exceed the limit
+            candidate = lo + 1
+        elif hi is not None and predicted >= hi:
+            # the line says a size that failed fits: it is wrong here (a real OOM left no peak to
+            # correct it with), so bisect the bracket
+            candidate = hi // 2 if lo is None else (lo + hi) // 2
+        else:
+            candidate = predicted
+    candidate = max(floor, min(ceiling, candidate))
+    if lo is not None and hi is not None and not (lo < candidate < hi):
+        candidate = (lo + hi) // 2
+    if candidate in points or candidate in (lo, hi):
+        if lo is None or hi is None:
+            return None
+        candidate = (lo + hi) // 2
+        if candidate in (lo, hi):
+            return None
+    return candidate
+
+
+def _slope_left_of(points: dict[int, int], size: int) -> float:
+    """Memory per sample just below ``size``: from the nearest smaller measured point when there is one.
+
+    Memory is convex in the batch size when it bends at all (a phase with a flat peak gives way to
+    one that grows), so this slope does not overstate what one more sample costs, and stopping on
+    it never skips a size that fits.
+    """
+    smaller = [s for s in points if s < size]
+    if not smaller:
+        return 0.0  # nothing to bound the slope with: probe size + 1 instead of guessing
+    nearest = max(smaller)
+    return (points[size] - points[nearest]) / (size - nearest)
+
+
+def _secant(points: dict[int, int], limit: int) -> MemoryModel | None:
+    """The line through the two measured points nearest the limit (one on each side when possible)."""
+    if len(points) < 2:
+        return None
+    below = sorted((s for s, p in points.items() if p <= limit), reverse=True)
+    above = sorted(s for s, p in points.items() if p > limit)
+    if below and above:
+        a, b = below[0], above[0]
+    else:
+        side = below if below else above
+        a, b = side[0], side[1]
+    if a == b:
+        return None
+    slope = (points[b] - points[a]) / (b - a)
+    return MemoryModel(points[a] - slope * a, slope)

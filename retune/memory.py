@@ -1,0 +1,145 @@
+"""Measure the peak memory of a probe, on CUDA and on CPU.
+
+A memory budget only means something if the probe's peak can be measured. On CUDA torch keeps the
+statistic itself (``max_memory_allocated`` after ``reset_peak_memory_stats``). On CPU torch keeps
+none, so :class:`CpuPeakTracker` counts it: a ``TorchDispatchMode`` sees every tensor an operator
+returns during the probe (forward, backward and optimizer step, including optimizer state created
+by the first step), counts each new storage once, and uncounts it when the storage is freed
+(a ``weakref.finalize`` on the storage). The peak of those live bytes, plus the bytes already
+resident when the probe starts (parameters, gradients, buffers, optimizer state), is the probe's
+peak — the same quantity CUDA's ``max_memory_allocated`` reports, minus allocator rounding.
+
+It measures tensor storage only: Python objects, the allocator's caching and fragmentation are not
+included. That is what a budget should bound on CPU, where there is no fixed device to overflow.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Live tensor bytes allocated while the mode is active, and their peak.
+
+    Example:
+        >>> with CpuPeakTracker() as tracker:
+        ...     a = torch.empty(1000, 1000)       # 4 MB
+        ...     b = torch.empty(1000, 1000)       # 8 MB live
+        ...     del a
+        ...     c = torch.empty(500, 1000)        # 6 MB live
+        >>> tracker.peak_bytes, tracker.live_bytes
+        (8000000, 6000000)
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, int] = {}
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+                self._track(leaf)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        if key in self._live or nbytes == 0:
+            return  # a view or an in-place result: no new memory
+        self._live[key] = nbytes
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.live_bytes -= self._live.pop(key, 0)
+
+
+def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes of the training state that outlives a step: parameters, buffers and optimizer state,
+    each storage counted once. Gradients are left out: every step frees them (``zero_grad``) before
+    its forward, and the tracker counts the ones backward allocates again."""
+    seen: dict[int, int] = {}
+
+    def add(tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+
+    for param in module.parameters():
+        add(param)
+    for buffer in module.buffers():
+        add(buffer)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                add(value)
+    return sum(seen.values())
+
+
+def device_total_bytes(device: torch.device) -> int | None:
+    """Total memory of the device a budget fraction refers to (physical RAM for the CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+            return None
+    return None
+
+
+@dataclass
+class PeakReading:
+    """Filled in when the measured block ends; ``peak_bytes`` is None when no statistic exists."""
+
+    peak_bytes: int | None = None
+    source: str = "none"
+
+
+@contextmanager
+def measure_peak(
+    device: torch.device, module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+) -> Iterator[PeakReading]:
+    """Measure the peak memory of the block on ``device`` (CUDA statistics, or the CPU tracker).
+
+    The reading is filled in even when the block raises (a budget check needs the peak of a probe
+    that ran fine but used too much; an OOM leaves it partial, which the caller ignores).
+    """
+    reading = PeakReading()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            yield reading
+        finally:
+            torch.cuda.synchronize(device)
+            reading.peak_bytes = int(torch.cuda.max_memory_allocated(device))
+            reading.source = "cuda"
+        return
+    if device.type == "cpu":
+        base = resident_bytes(module, list(optimizers))
+        tracker = CpuPeakTracker()
+        try:
+            with tracker:
+                yield reading
+        finally:
+            reading.peak_bytes = base + tracker.peak_bytes
+            reading.source = "cpu-tracker"
+        return
+    yield reading

@@ -1,0 +1,426 @@
+"""What a run with the finder leaves behind: history as JSON and CSV, a text table and a PNG plot.
+
+Everything here is a plain function of a list of :class:`~retune.RetuneEvent` (``finder.history``)
+plus optional per-step series, with no Lightning import, so that the callback, ``retune demo`` and
+``retune report history.json`` all render the same files from the same data, and a history saved
+from one run can be re-rendered later on a machine without the model.
+
+The callback calls :func:`write_outputs` once at the end of a fit; :func:`format_trial` and
+:func:`format_summary` are the lines it prints while it searches, and :func:`event_metrics` is what
+it sends to the trainer's loggers after each search.
+
+matplotlib is imported only by :func:`plot_history` (and on the Agg backend, through
+``matplotlib.figure.Figure`` rather than ``pyplot``), so writing JSON/CSV and formatting the table
+never pay for that import and never touch a user's interactive backend.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+from retune.events import RetuneEvent
+
+log = logging.getLogger("retune")
+
+FORMAT_VERSION = 1
+JSON_NAME = "history.json"
+CSV_NAME = "history.csv"
+PNG_NAME = "batch_size.png"
+# Pixel size of the plot: fixed so that the file is the same size whatever the data (and a test
+# can check it); no ``bbox_inches="tight"``, which would crop it to the content.
+PLOT_SIZE_PX = (1000, 500)
+PLOT_DPI = 100
+
+CSV_FIELDS = (
+    "epoch",
+    "global_step",
+    "trigger",
+    "stage",
+    "direction",
+    "batch_size_before",
+    "batch_size_after",
+    "trials",
+    "duration_s",
+    "max_fitting",
+    "min_failing",
+    "trial_sizes",
+    "peak_bytes",
+    "budget_bytes",
+    "mode",
+)
+
+StepSeries = Sequence[tuple[int, int]]
+"""``(global_step, value)`` pairs in step order: a batch size, or a number of bytes."""
+
+PathLike = Union[str, Path]
+
+
+@dataclass(frozen=True)
+class History:
+    """The contents of a ``history.json``: the events plus whatever per-step data the run recorded.
+
+    ``steps`` is the train batch size at each recorded global step; when absent, plots derive it
+    from the events (each search's size holds until the next one) up to ``end_step``.
+    ``memory`` is peak memory per step in bytes, ``memory_label`` says what kind (measured peak,
+    or the demo's simulated device), and ``budget_bytes`` is the limit searches ran against.
+    """
+
+    events: list[RetuneEvent]
+    steps: list[tuple[int, int]] | None = None
+    memory: list[tuple[int, int]] | None = None
+    memory_label: str = "peak memory"
+    budget_bytes: int | None = None
+    end_step: int | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION,
+            "events": [event.to_dict() for event in self.events],
+            "steps": None if self.steps is None else [[s, v] for s, v in self.steps],
+            "memory": None if self.memory is None else [[s, v] for s, v in self.memory],
+            "memory_label": self.memory_label,
+            "budget_bytes": self.budget_bytes,
+            "end_step": self.end_step,
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> History:
+        """Read a ``history.json`` document; a bare list of events (``finder.state_dict()["history"]``) works too."""
+        if isinstance(data, Sequence):
+            return cls(events=[RetuneEvent.from_dict(dict(e)) for e in data])
+        version = data.get("version", FORMAT_VERSION)
+        if version != FORMAT_VERSION:
+            raise ValueError(f"unsupported history format version {version!r}; this retune reads {FORMAT_VERSION}")
+        return cls(
+            events=[RetuneEvent.from_dict(dict(e)) for e in data.get("events", [])],
+            steps=_pairs(data.get("steps")),
+            memory=_pairs(data.get("memory")),
+            memory_label=str(data.get("memory_label") or "peak memory"),
+            budget_bytes=data.get("budget_bytes"),
+            end_step=data.get("end_step"),
+            meta=dict(data.get("meta") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class OutputPaths:
+    """Where :func:`write_outputs` put each file (``png`` is None when matplotlib is missing)."""
+
+    json: Path
+    csv: Path
+    png: Path | None
+
+
+def _pairs(value: Any) -> list[tuple[int, int]] | None:
+    if value is None:
+        return None
+    return [(int(step), int(v)) for step, v in value]
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+def write_json(path: PathLike, history: History) -> Path:
+    """Write ``history`` as indented JSON (``retune report`` reads it back); return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(history.to_dict(), indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def read_history(path: PathLike) -> History:
+    """Load a ``history.json`` written by :func:`write_json` (or a bare JSON list of events)."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(data, (dict, list)):
+        raise ValueError(f"{path}: expected a JSON object or list of events, got {type(data).__name__}")
+    return History.from_dict(data)
+
+
+def write_csv(path: PathLike, events: Sequence[RetuneEvent]) -> Path:
+    """One row per search, for spreadsheets.
+
+    ``trial_sizes`` lists the probes in order as ``size:fit`` or ``size:oom``; ``peak_bytes`` is the
+    measured peak of the size chosen (blank when not measured). Blank cells mean None.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for e in events:
+            writer.writerow(
+                {
+                    "epoch": e.epoch,
+                    "global_step": e.global_step,
+                    "trigger": e.trigger,
+                    "stage": e.stage,
+                    "direction": e.direction,
+                    "batch_size_before": e.batch_size_before,
+                    "batch_size_after": e.batch_size_after,
+                    "trials": len(e.trials),
+                    "duration_s": f"{e.duration_s:.4f}",
+                    "max_fitting": _blank(e.max_fitting),
+                    "min_failing": _blank(e.min_failing),
+                    "trial_sizes": " ".join(f"{t.batch_size}:{'fit' if t.fits else 'oom'}" for t in e.trials),
+                    "peak_bytes": _blank(chosen_peak(e)),
+                    "budget_bytes": _blank(getattr(e, "budget_bytes", None)),
+                    "mode": getattr(e, "mode", ""),
+                }
+            )
+    return path
+
+
+def write_outputs(
+    history: Sequence[RetuneEvent],
+    out_dir: PathLike,
+    *,
+    steps: StepSeries | None = None,
+    memory: StepSeries | None = None,
+    memory_label: str = "peak memory",
+    budget_bytes: int | None = None,
+    end_step: int | None = None,
+    meta: Mapping[str, Any] | None = None,
+    plot: bool = True,
+) -> OutputPaths:
+    """Write ``history.json``, ``history.csv`` and ``batch_size.png`` into ``out_dir``.
+
+    Idempotent: a later call (say, the demo after the callback's own call at fit end) overwrites
+    the same three files. The plot is skipped with a warning, not an error, when matplotlib is not
+    installed: losing a picture must never fail a training run that has finished.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = History(
+        events=list(history),
+        steps=None if steps is None else [(int(s), int(v)) for s, v in steps],
+        memory=None if memory is None else [(int(s), int(v)) for s, v in memory],
+        memory_label=memory_label,
+        budget_bytes=budget_bytes,
+        end_step=end_step,
+        meta=dict(meta or {}),
+    )
+    json_path = write_json(out / JSON_NAME, record)
+    csv_path = write_csv(out / CSV_NAME, record.events)
+    png_path: Path | None = None
+    if plot:
+        try:
+            png_path = plot_history(out / PNG_NAME, record)
+        except ImportError as exc:
+            log.warning("retune: not writing %s (%s); install matplotlib for the plot", out / PNG_NAME, exc)
+    return OutputPaths(json=json_path, csv=csv_path, png=png_path)
+
+
+def _blank(value: int | None) -> int | str:
+    return "" if value is None else value
+
+
+# -- console lines and logged metrics -----------------------------------------------------------
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``; binary units, because device memory is reported that way."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def format_trial(n: int, batch_size: int, fits: bool, peak_bytes: int | None = None) -> str:
+    """One progress line per probe: ``trial 3 batch_size=8: fits, peak 1.2 MiB``.
+
+    "does not fit" rather than "out of memory": under a budget a trial fails by exceeding it.
+    """
+    line = f"trial {n} batch_size={batch_size}: {'fits' if fits else 'does not fit'}"
+    if peak_bytes is not None:
+        line += f", peak {format_bytes(peak_bytes)}"
+    return line
+
+
+def format_summary(event: RetuneEvent) -> str:
+    """The one line that ends a search (the wording the README documents)."""
+    return (
+        f"epoch {event.epoch}: batch size {event.batch_size_before} -> {event.batch_size_after} "
+        f"({len(event.trials)} trials, {event.duration_s:.2f}s, trigger {event.trigger})"
+    )
+
+
+def event_metrics(event: RetuneEvent) -> dict[str, float]:
+    """What one search sends to the trainer's loggers, as floats (every logger accepts those)."""
+    return {
+        "retune/batch_size": float(event.batch_size_after),
+        "retune/search_seconds": float(event.duration_s),
+        "retune/trials": float(len(event.trials)),
+    }
+
+
+def format_table(events: Sequence[RetuneEvent]) -> str:
+    """A fixed-width table of the searches: epoch, step, trigger, size before -> after, trials, seconds.
+
+    A ``peak`` column (measured peak of the chosen size) is added when any search measured one.
+    """
+    header = ["epoch", "step", "trigger", "batch size", "trials", "seconds"]
+    rows = [
+        [
+            str(e.epoch),
+            str(e.global_step),
+            e.trigger,
+            f"{e.batch_size_before} -> {e.batch_size_after}",
+            str(len(e.trials)),
+            f"{e.duration_s:.2f}",
+        ]
+        for e in events
+    ]
+    peaks = [chosen_peak(e) for e in events]
+    if any(p is not None for p in peaks):
+        header.append("peak")
+        for row, peak in zip(rows, peaks, strict=True):
+            row.append("-" if peak is None else format_bytes(peak))
+    title = f"retune: {len(events)} search{'es' if len(events) != 1 else ''}"
+    if not rows:
+        return f"{title} (the schedule's triggers never fired)"
+    widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(header))]
+    # text left-aligned, numbers right-aligned
+    align = ["<" if name == "trigger" else ">" for name in header]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, align, widths, strict=True)).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([title, line(header), rule, *(line(r) for r in rows)])
+
+
+# -- the plot ------------------------------------------------------------------------------------
+
+
+def batch_size_series(events: Sequence[RetuneEvent], end_step: int | None = None) -> list[tuple[int, int]]:
+    """Batch size over steps as implied by the events alone: each search's size holds until the next.
+
+    Used when the run did not record the size at every step. Two searches at one step (a resume)
+    keep the later one. The series ends at ``end_step`` when given.
+    """
+    points: dict[int, int] = {}
+    for e in events:
+        points[e.global_step] = e.batch_size_after
+    series = sorted(points.items())
+    if series and end_step is not None and end_step > series[-1][0]:
+        series.append((end_step, series[-1][1]))
+    return series
+
+
+def trial_peaks(event: RetuneEvent) -> list[int | None]:
+    """Measured peak bytes of each trial, in trial order (None where unknown or not measured)."""
+    peaks: list[int | None] = list(getattr(event, "peak_bytes", None) or [])
+    return (peaks + [None] * len(event.trials))[: len(event.trials)]
+
+
+def chosen_peak(event: RetuneEvent) -> int | None:
+    """The peak measured by the trial of the size the search chose, when it was measured."""
+    for trial, peak in zip(event.trials, trial_peaks(event), strict=True):
+        if trial.fits and trial.batch_size == event.batch_size_after and peak is not None:
+            return peak
+    return None
+
+
+def _chosen_peaks(events: Iterable[RetuneEvent]) -> list[tuple[int, int]]:
+    return [(e.global_step, peak) for e in events if (peak := chosen_peak(e)) is not None]
+
+
+def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Path:
+    """Draw batch size (and memory, when known) over global steps, one marked line per search.
+
+    The image is always :data:`PLOT_SIZE_PX` pixels. Raises ImportError without matplotlib.
+    """
+    from matplotlib.figure import Figure  # Agg canvas, no pyplot: no global state, no GUI backend
+
+    record = history if isinstance(history, History) else History(events=list(history))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    width, height = PLOT_SIZE_PX
+    fig = Figure(figsize=(width / PLOT_DPI, height / PLOT_DPI), dpi=PLOT_DPI)
+    ax = fig.add_subplot()
+    series = record.steps or batch_size_series(record.events, record.end_step)
+    handles = []
+    if series:
+        xs = [s for s, _ in series]
+        ys = [v for _, v in series]
+        # steps-post: a size holds from the step it was set until the next change
+        (line,) = ax.plot(xs, ys, drawstyle="steps-post", color="tab:blue", linewidth=2, label="train batch size")
+        handles.append(line)
+        ax.set_ylim(0, max(ys) * 1.25)
+    ax.set_xlabel("global step")
+    ax.set_ylabel("train batch size", color="tab:blue")
+    ax.grid(True, alpha=0.3)
+
+    memory = record.memory or _chosen_peaks(record.events)
+    if memory or record.budget_bytes is not None:
+        mib = 1024 * 1024
+        ax2 = ax.twinx()
+        top = 0.0
+        if memory:
+            mem_x = [s for s, _ in memory]
+            mem_y = [v / mib for _, v in memory]
+            style: dict[str, Any] = {"linestyle": "none", "marker": "o"} if not record.memory else {"linewidth": 1}
+            (mline,) = ax2.plot(mem_x, mem_y, color="tab:orange", alpha=0.8, label=record.memory_label, **style)
+            handles.append(mline)
+            top = max(mem_y)
+        if record.budget_bytes is not None:
+            budget = record.budget_bytes / mib
+            bline = ax2.axhline(budget, color="tab:red", linestyle="--", linewidth=1, label="memory budget")
+            handles.append(bline)
+            top = max(top, budget)
+        ax2.set_ylim(0, top * 1.25 if top > 0 else 1)
+        ax2.set_ylabel("memory (MiB)", color="tab:orange")
+
+    ymax = ax.get_ylim()[1]
+    for e in record.events:
+        ax.axvline(e.global_step, color="gray", linestyle=":", linewidth=1)
+        ax.annotate(
+            f"{e.trigger}\n{e.batch_size_before} \u2192 {e.batch_size_after}",
+            xy=(e.global_step, ymax),
+            xytext=(3, -3),
+            textcoords="offset points",
+            va="top",
+            ha="left",
+            fontsize=8,
+            color="dimgray",
+        )
+    if handles:
+        ax.legend(handles=handles, loc="lower right", fontsize=8)
+    ax.set_title(f"retune: train batch size over training ({len(record.events)} searches)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=PLOT_DPI, format="png")
+    return path
+
+
+__all__ = [
+    "CSV_NAME",
+    "JSON_NAME",
+    "PNG_NAME",
+    "PLOT_SIZE_PX",
+    "History",
+    "OutputPaths",
+    "batch_size_series",
+    "chosen_peak",
+    "event_metrics",
+    "format_bytes",
+    "format_summary",
+    "format_table",
+    "format_trial",
+    "plot_history",
+    "read_history",
+    "trial_peaks",
+    "write_csv",
+    "write_json",
+    "write_outputs",
+]

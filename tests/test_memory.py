@@ -1,0 +1,212 @@
+"""Memory budgets and the ``model`` search mode, measured for real on CPU.
+
+No oracle here: the CPU tracker counts the tensors a real training step allocates, so a budget
+is a real limit and the true maximum is found by probing every candidate with the same tracker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from retune import ScheduledBatchSizeFinder
+from retune.memory import CpuPeakTracker, measure_peak, resident_bytes
+from retune.search import MemoryModel, SearchPlan, run_model_search
+from tests.lightning_ns import pl
+
+MiB = 2**20
+
+
+def test_cpu_tracker_matches_an_analytic_count() -> None:
+    # forward keeps x, x @ W (until relu returns) and relu's output; backward adds relu's grad;
+    # W's grad is D x D. Both phases peak at three B x D float32 tensors plus W's grad.
+    batch, dim = 4096, 256
+    weight = torch.randn(dim, dim, requires_grad=True)
+    with CpuPeakTracker() as tracker:
+        x = torch.randn(batch, dim)
+        (x @ weight).relu().sum().backward()
+    analytic = 3 * batch * dim * 4 + dim * dim * 4
+    assert abs(tracker.peak_bytes - analytic) <= 0.10 * analytic
+
+
+def test_cpu_tracker_releases_freed_storages_and_ignores_views() -> None:
+    with CpuPeakTracker() as tracker:
+        a = torch.empty(1000, 1000)
+        view = a[:10]
+        a.add_(1)  # in place: no new storage
+        b = torch.empty(1000, 1000)
+        del a, view
+        c = torch.empty(250, 1000)
+    assert tracker.peak_bytes == 8_000_000
+    assert tracker.live_bytes == 5_000_000
+    del b, c
+
+
+def test_resident_bytes_counts_params_buffers_and_optimizer_state_once() -> None:
+    model = nn.Sequential(nn.Linear(100, 100), nn.BatchNorm1d(100))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 100)).sum().backward()
+    opt.step()
+    params = sum(p.numel() for p in model.parameters()) * 4
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    assert resident_bytes(model, [opt]) == params + buffers + state
+
+
+class WideMLP(pl.LightningModule):  # type: ignore[misc,name-defined]
+    """A model whose step memory really grows with the batch size (wide activations, Adam state)."""
+
+    def __init__(self, batch_size: int = 4, frozen: bool = False, n: int = 4096) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.backbone = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU())
+        self.head = nn.Linear(256, 10)
+        if frozen:
+            self.backbone.requires_grad_(False)
+        g = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def _fit(schedule: dict[str, Any], model: WideMLP, epochs: int = 1) -> ScheduledBatchSizeFinder:
+    finder = ScheduledBatchSizeFinder(schedule, verbose=False)
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        callbacks=[finder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_train_batches=2,
+    )
+    trainer.fit(model)
+    return finder
+
+
+def _schedule(mode: str, budget: str | None, **search: Any) -> dict[str, Any]:
+    return {
+        "search": {"mode": mode, "margin": 0.0, "steps_per_trial": 1, **search},
+        "memory": {"budget": budget},
+        "triggers": [{"kind": "fit_start"}],
+    }
+
+
+@pytest.mark.parametrize("mode", ["binsearch", "power", "model"])
+def test_budget_is_respected(mode: str) -> None:
+    pl.seed_everything(0)
+    finder = _fit(_schedule(mode, "4MiB"), WideMLP())
+    event = finder.history[0]
+    assert event.budget_bytes == 4 * MiB and event.mode == mode
+    assert len(event.peak_bytes) == len(event.trials)
+    for (size, fits), peak in zip(event.trials, event.peak_bytes, strict=True):
+        assert peak is not None
+        assert fits == (peak <= 4 * MiB), (size, peak)
+    chosen = [peak for (size, _), peak in zip(event.trials, event.peak_bytes, strict=True) if size == finder.batch_size]
+    assert chosen and all(p is not None and p <= 4 * MiB for p in chosen)
+
+
+def test_model_mode_lands_on_the_binsearch_maximum_in_few_trials() -> None:
+    pl.seed_everything(0)
+    exact = _fit(_schedule("binsearch", "4MiB"), WideMLP()).history[0]
+    pl.seed_everything(0)
+    model = _fit(_schedule("model", "4MiB"), WideMLP()).history[0]
+    assert model.batch_size_after == exact.batch_size_after
+    # small batches here peak in the optimizer step (flat), larger ones in backward: the line needs
+    # a few corrections, still far fewer probes than bisection
+    assert len(model.trials) <= 6
+    assert len(model.trials) * 2 <= len(exact.trials)
+
+
+def test_model_mode_without_a_budget_falls_back_to_binsearch_on_cpu() -> None:
+    pl.seed_everything(0)
+    finder = _fit(
+        {"search": {"mode": "model", "max_val": 64}, "triggers": [{"kind": "fit_start"}]},
+        WideMLP(),
+    )
+    event = finder.history[0]
+    assert event.mode == "binsearch"
+    assert "fell back to binsearch" in event.note
+    assert event.budget_bytes is None
+
+
+def test_measure_peak_reports_the_step_peak_including_resident_state() -> None:
+    model = nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with measure_peak(torch.device("cpu"), model, [opt]) as reading:
+        model(torch.randn(1024, 256)).sum().backward()
+        opt.step()
+    assert reading.source == "cpu-tracker"
+    assert reading.peak_bytes is not None
+    resident = sum(p.numel() * 4 for p in model.parameters())
+    assert reading.peak_bytes >= resident + 2 * 1024 * 256 * 4
+
+
+# -- the model-mode search on synthetic memory curves ---------------------------------------------
+
+
+def _curve(fixed: float, per_sample: float, limit: int, quadratic: float = 0.0):  # type: ignore[no-untyped-def]
+    def measure(size: int) -> tuple[bool, int]:
+        peak = int(fixed + per_sample * size + quadratic * size * size)
+        return peak <= limit, peak
+
+    def true_max() -> int:
+        return max((s for s in range(1, 9000) if measure(s)[0]), default=0)
+
+    return measure, true_max()
+
+
+@pytest.mark.parametrize(
+    ("fixed", "per_sample", "quadratic"),
+    [(1e6, 1000, 0.0), (5e5, 3333, 0.0), (2e6, 700, 0.0), (1e6, 1000, 0.3), (1e6, 900, 0.05), (2.5e6, 1000, 0.0)],
+)
+def test_model_search_never_exceeds_and_finds_the_maximum(fixed: float, per_sample: float, quadratic: float) -> None:
+    limit = 3_000_000
+    measure, true_max = _curve(fixed, per_sample, limit, quadratic)
+    result = run_model_search(SearchPlan("model", 2, 25, 0.0, 8192), measure, limit)
+    assert result.size == true_max
+    assert all(fits == measure(size)[0] for size, fits in result.trials)
+    if quadratic == 0.0:
+        assert len(result.trials) <= 3  # two points, one verifying probe
+
+
+def test_model_search_retune_reuses_the_slope_and_needs_few_trials() -> None:
+    limit = 3_000_000
+    cold_measure, _ = _curve(1e6, 1000, limit)
+    cold = run_model_search(SearchPlan("model", 2, 25, 0.0, 8192), cold_measure, limit)
+    assert cold.model == MemoryModel(pytest.approx(1e6), pytest.approx(1000))
+    after_unfreeze, true_max = _curve(1.4e6, 3000, limit)
+    plan = SearchPlan("model", cold.max_fitting or 1, 25, 0.0, 8192, known_fail=cold.min_failing)
+    retune = run_model_search(plan, after_unfreeze, limit, prior=cold.model)
+    assert retune.size == true_max
+    assert len(retune.trials) <= 3
+
+
+def test_model_search_handles_real_ooms_without_peaks() -> None:
+    def measure(size: int) -> tuple[bool, int | None]:
+        if size > 700:
+            return False, None  # a real OOM: no statistic
+        return True, int(1e6 + 1000 * size)
+
+    result = run_model_search(SearchPlan("model", 2, 25, 0.0, 8192), measure, 3_000_000)
+    assert result.size == 700
+    assert all(fits == (size <= 700) for size, fits in result.trials)
+
+
+def test_model_search_reports_nothing_fits() -> None:
+    result = run_model_search(SearchPlan("model", 8, 25, 0.0, 8192), lambda s: (False, int(5e6 + s)), 3_000_000)
+    assert result.size is None
+    assert min(t.batch_size for t in result.trials) == 1
