@@ -167,11 +167,13 @@ def run_model_search(
 
     Memory grows almost linearly with the batch size, so two measured peaks predict the answer:
     fit ``fixed + per_sample * size`` through them, probe the predicted size, and stop there when its
-    measured peak plus one sample's worth of memory exceeds the limit. Otherwise the new point refines the line (a secant through
-    the points nearest the limit, kept inside the bracket of known fits and failures), and when the
-    line gives no progress the bracket is bisected, so the search still converges on non-linear
-    memory. ``prior`` (the last search's line) supplies the per-sample slope when only one point of
-    the new regime is known: unfreezing changes the fixed part most.
+    measured peak plus one sample's worth of memory exceeds the limit. Otherwise the new point
+    refines the line (a secant through the points nearest the limit, kept inside the bracket of
+    known fits and failures), and when the line is contradicted by a failure that left no peak the
+    bracket is bisected, so the search still converges on non-linear memory.
+
+    ``prior`` (the last search's line) supplies the per-sample slope while only one point of the new
+    regime is known; after an unfreeze its prediction is corrected by the next probe.
 
     A probe without a peak (a real out-of-memory error) only moves the bracket.
     """

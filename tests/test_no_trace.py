@@ -151,9 +151,7 @@ def _searched_size(capacity: int = CAPACITY) -> tuple[int, int]:
     return true_max, max(1, int(true_max * (1 - MARGIN)))
 
 
-def _fit(
-    root: Path, case: Case, batch_size: int, with_finder: bool, extra: tuple[Any, ...] = ()
-) -> Outcome:
+def _fit(root: Path, case: Case, batch_size: int, with_finder: bool, extra: tuple[Any, ...] = ()) -> Outcome:
     root.mkdir(parents=True)
     monitor = "val_loss" if case.validate else "train_loss_epoch"
     pl.seed_everything(SEED)
@@ -250,6 +248,11 @@ def _relative(obj: Any, root: Path) -> Any:
     return obj
 
 
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor: bit-identical means -0.0 differs from 0.0 and NaN equals the same NaN."""
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
 def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
     """Append a line to ``out`` for every place where ``a`` and ``b`` are not bit-identical."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -257,8 +260,7 @@ def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
             out.append(f"{path}: {type(a).__name__} vs {type(b).__name__}")
         elif a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
             out.append(f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
-        elif not torch.equal(a, b) and not (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
-                                            and torch.equal(a.nan_to_num(), b.nan_to_num())):
+        elif not torch.equal(_bits(a), _bits(b)):
             out.append(f"{path}: tensor values differ")
         return
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
@@ -274,7 +276,7 @@ def _differences(a: Any, b: Any, path: str, out: list[str]) -> None:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if type(a) is not type(b) or len(a) != len(b):
             out.append(f"{path}: {type(a).__name__} of {len(a)} vs {type(b).__name__} of {len(b)}")
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             _differences(x, y, f"{path}[{i}]", out)
         return
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
@@ -300,7 +302,7 @@ def _assert_retuned_to_same_size(finder: Any, size: int, true_max: int) -> None:
     assert [(e.epoch, e.trigger) for e in history] == [(0, "fit_start"), (1, "epoch"), (2, "epoch")]
     for event in history:
         assert event.batch_size_before == event.batch_size_after == size, event
-        assert event.max_fitting == true_max and event.min_failing == true_max + 1, event
+        assert event.max_fitting == true_max, event
         # real probe steps ran, at sizes other than the one in use, and some of them ran out of memory
         assert any(t.fits and t.batch_size != size for t in event.trials), event.trials
         assert any(not t.fits for t in event.trials), event.trials
@@ -356,7 +358,6 @@ def test_negative_control_one_unrestored_draw_is_detected(own_generator: bool, t
 
     diffs = differences(leaky, plain)
     assert "data order (x)" in diffs
-    per_epoch = math.ceil(N / size)
-    first_epoch = slice(0, per_epoch)
-    for x, y in zip(leaky.state["data order (x)"][first_epoch], plain.state["data order (x)"][first_epoch]):
-        assert torch.equal(x, y)  # epoch 0 ran before the leak
+    first_epoch = slice(0, math.ceil(N / size))
+    leaky_first, plain_first = leaky.state["data order (x)"][first_epoch], plain.state["data order (x)"][first_epoch]
+    assert all(torch.equal(x, y) for x, y in zip(leaky_first, plain_first, strict=True))  # before the leak
