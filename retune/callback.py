@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from retune import compat
+from retune.apply import accumulation_for, lr_factor, scale_learning_rates
 from retune.errors import RetuneError
 from retune.events import RetuneEvent, Trial
 from retune.loading import ScheduleSource, load_schedule
@@ -63,6 +64,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self.history: list[RetuneEvent] = []
         self._last: SearchResult | None = None
         self._memory_model: MemoryModel | None = None
+        self._reference_effective: int | None = None
+        self._accumulate: int | None = None
         self._fit_starting = False
         self._restored = False
         self._disabled = False
@@ -77,6 +80,11 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             self._say("fast_dev_run is on: skipping every batch-size search in this run", warn=True)
             return
         compat.check_train_source(trainer)
+        if self.schedule.apply.accumulate == "keep_effective" and compat.accumulation_is_scheduled(trainer):
+            raise RetuneError(
+                "apply.accumulate: keep_effective sets gradient accumulation itself and cannot share it with a "
+                "GradientAccumulationScheduler (or a dict `accumulate_grad_batches`); remove one of the two"
+            )
         name = self.schedule.batch_arg_name
         if not compat.has_batch_attr(trainer, pl_module, name):
             raise RetuneError(
@@ -92,6 +100,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._move_last(trainer)  # again: another callback's setup may have rebuilt the list
         if self._restored and self.batch_size is not None:
             compat.set_batch_attr(trainer, pl_module, self.schedule.batch_arg_name, self.batch_size)
+            if self._accumulate is not None:
+                compat.set_accumulation(trainer, self._accumulate)
             self._fit_starting = False
         else:
             self._fit_starting = True
@@ -105,6 +115,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         firing = evaluate(self.triggers, view)
         if firing is not None:
             self._search(trainer, pl_module, firing, cold="fit_start" in firing.kinds)
+        if self._accumulate is not None:
+            compat.set_accumulation(trainer, self._accumulate)  # Lightning 1.9 resets it every epoch
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -116,6 +128,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             "memory_model": None
             if self._memory_model is None
             else {"fixed": self._memory_model.fixed, "per_sample": self._memory_model.per_sample},
+            "reference_effective": self._reference_effective,
+            "accumulate": self._accumulate,
             "history": [event.to_dict() for event in self.history],
             "triggers": [_trigger_state(t) for t in self.triggers],
         }
@@ -126,6 +140,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._last = None if last is None else SearchResult(self.batch_size, last["max_fitting"], last["min_failing"])
         model = state_dict.get("memory_model")
         self._memory_model = None if model is None else MemoryModel(model["fixed"], model["per_sample"])
+        self._reference_effective = state_dict.get("reference_effective")
+        self._accumulate = state_dict.get("accumulate")
         self.history = [RetuneEvent.from_dict(e) for e in state_dict.get("history", [])]
         for trigger, saved in zip(self.triggers, state_dict.get("triggers", []), strict=False):
             if saved is not None and hasattr(trigger, "load_state_dict"):
@@ -180,6 +196,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         if result.size != before:
             compat.reload_train_dataloader(trainer)
             compat.refresh_progress_bar(trainer)
+        accumulate, factor = self._apply_policies(trainer, before, result.size)
         event = RetuneEvent(
             epoch=epoch,
             global_step=trainer.global_step,
@@ -194,6 +211,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             min_failing=result.min_failing,
             peak_bytes=list(prober.peaks),
             budget_bytes=budget,
+            accumulate=accumulate,
+            effective_batch_size=accumulate * result.size,
+            lr_factor=factor,
             mode=mode,
             note=note,
         )
@@ -206,6 +226,29 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             f"epoch {epoch}: batch size {before} -> {result.size} ({len(result.trials)} trials, "
             f"{event.duration_s:.2f}s, trigger {firing.label})"
         )
+
+    def _apply_policies(self, trainer: Any, before: int, after: int) -> tuple[int, float]:
+        """Keep the effective batch size and/or scale learning rates (the schedule's ``apply``)."""
+        policy = self.schedule.apply
+        accumulate_before = compat.get_accumulation(trainer)
+        accumulate = accumulate_before
+        if policy.accumulate == "keep_effective":
+            if self._reference_effective is None:
+                self._reference_effective = after * accumulate_before  # the first tune sets the target
+            else:
+                plan = accumulation_for(self._reference_effective, after)
+                if not plan.exact:
+                    self._say(
+                        f"keep_effective: {self._reference_effective} is not a multiple of batch size {after}; "
+                        f"accumulating {plan.accumulate} batches gives an effective batch size of {plan.effective}",
+                        warn=True,
+                    )
+                accumulate = plan.accumulate
+            self._accumulate = accumulate
+            compat.set_accumulation(trainer, accumulate)
+        factor = lr_factor(policy.lr_scaling, before * accumulate_before, after * accumulate)
+        scale_learning_rates(trainer.optimizers, compat.lr_schedulers(trainer), factor)
+        return accumulate, factor
 
     def _mode_and_limit(self, device: Any, budget: int | None) -> tuple[Mode, int | None, str]:
         """The search to run and the memory limit ``model`` mode predicts against.

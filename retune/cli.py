@@ -143,13 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--schedule", metavar="FILE", help="schedule file (default: schedules/freeze_unfreeze.yaml)", default=None
     )
-    p.add_argument("--epochs", type=_positive, default=None, metavar="N", help="fine-tuning epochs (default: 8)")
+    p.add_argument("--epochs", type=_positive, default=None, metavar="N", help="fine-tuning epochs (default: 12)")
     p.add_argument(
         "--budget",
         default=None,
         metavar="SIZE",
         help="memory budget such as 6MiB; written into the schedule's memory.budget (default: the "
-        "schedule's, else 6MiB). The demo enforces it with a simulated device, see retune/demo.py",
+        "schedule's, else 2MiB). The demo enforces it with a simulated device, see retune/demo.py",
     )
     p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: ./retune-demo)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: 0)")
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_non_negative,
         default=None,
         metavar="EPOCH",
-        help="epoch at which BackboneFinetuning unfreezes the backbone, from 0 (default: 2)",
+        help="epoch at which BackboneFinetuning unfreezes the backbone, from 0 (default: 3)",
     )
     p.add_argument(
         "--pretrain-epochs", type=_positive, default=None, metavar="N", help="backbone pretraining epochs (default: 12)"

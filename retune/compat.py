@@ -325,6 +325,32 @@ def fts_phase(trainer: Any) -> int | None:
     return None
 
 
+def get_accumulation(trainer: Any) -> int:
+    return int(trainer.accumulate_grad_batches)
+
+
+def set_accumulation(trainer: Any, value: int) -> None:
+    """Set gradient accumulation for the epoch that is starting.
+
+    On 2.x the loop reads ``trainer.accumulate_grad_batches`` at every batch. On 1.9 the trainer's
+    internal accumulation scheduler rewrites it at each epoch start (before callbacks run), so the
+    callback sets it again every epoch.
+    """
+    trainer.accumulate_grad_batches = value
+
+
+def accumulation_is_scheduled(trainer: Any) -> bool:
+    """True when a ``GradientAccumulationScheduler`` changes accumulation by epoch."""
+    schedulers = [cb for cb in trainer.callbacks if type(cb).__name__ == "GradientAccumulationScheduler"]
+    if is_legacy(trainer):
+        schedulers.append(trainer.accumulation_scheduler)
+    for scheduler in schedulers:
+        scheduling = getattr(scheduler, "scheduling", {})
+        if len(scheduling) > 1 or any(epoch != 0 for epoch in scheduling):
+            return True
+    return False
+
+
 # -- reporting ---------------------------------------------------------------------------------
 
 

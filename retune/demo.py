@@ -20,9 +20,12 @@ device instead. The demo says so when it starts.
 from __future__ import annotations
 
 import copy
+import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import report
+
+# Imported here, not inside run_demo: it imports every installed Lightning namespace, and a first
+# import sets that namespace's logger back to INFO, undoing _quiet_lightning.
+from retune.callback import ScheduledBatchSizeFinder
 from retune.errors import FieldProblem, ScheduleError
 from retune.events import RetuneEvent
 from retune.loading import read_schedule_file, validate_data
@@ -43,12 +50,13 @@ try:
 except ImportError:  # pragma: no cover - the legacy namespace
     import pytorch_lightning as pl
 
-DEFAULT_EPOCHS = 8
-DEFAULT_UNFREEZE_AT = 2
+DEFAULT_EPOCHS = 12
+DEFAULT_UNFREEZE_AT = 3
 DEFAULT_PRETRAIN_EPOCHS = 12
-DEFAULT_BUDGET = "6MiB"
+DEFAULT_BUDGET = "2MiB"
 DEFAULT_OUT = Path("retune-demo")
 EVAL_BATCH_SIZE = 256
+FEATURES = 64
 # The ready-made schedule in the source tree; a wheel has no schedules/ folder, so the demo falls
 # back to the identical built-in copy below (tests/test_demo.py checks they stay identical).
 SCHEDULE_FILE = Path(__file__).resolve().parent.parent / "schedules" / "freeze_unfreeze.yaml"
@@ -124,15 +132,15 @@ def load_digit_splits(seed: int, limit: int | None = None, val_fraction: float =
 
 
 def make_backbone() -> nn.Sequential:
-    """Two 3x3 conv layers and a dense layer: 8x8x1 -> 128 features (about 152k parameters)."""
+    """Two 3x3 conv layers and a dense layer: 8x8x1 -> FEATURES features (about 38k parameters)."""
     return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1),
+        nn.Conv2d(1, 16, 3, padding=1),
         nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1),
+        nn.Conv2d(16, 32, 3, padding=1),
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
-        nn.Linear(64 * 4 * 4, 128),
+        nn.Linear(32 * 4 * 4, FEATURES),
         nn.ReLU(),
     )
 
@@ -158,7 +166,7 @@ def pretrain(backbone: nn.Module, splits: DigitSplits, epochs: int, seed: int) -
     what retune tunes, so it runs at a fixed batch size without Lightning.
     """
     torch.manual_seed(seed)
-    head = nn.Linear(128, 5)
+    head = nn.Linear(FEATURES, 5)
     params = [*backbone.parameters(), *head.parameters()]
     opt = torch.optim.Adam(params, lr=2e-3)
     g = torch.Generator().manual_seed(seed)
@@ -295,7 +303,7 @@ class DigitsFineTune(pl.LightningModule):  # type: ignore[misc]
     def __init__(self, backbone: nn.Module, splits: DigitSplits, device_limit: SimulatedDevice, lr: float) -> None:
         super().__init__()
         self.backbone = backbone
-        self.head = nn.Linear(128, 5)
+        self.head = nn.Linear(FEATURES, 5)
         self.batch_size = 16
         self.lr = lr
         self.splits = splits
@@ -375,7 +383,8 @@ class DemoConfig:
     pretrain_epochs: int = DEFAULT_PRETRAIN_EPOCHS
     limit: int | None = None
     progress_bar: bool | None = None  # None: only when stdout is a terminal
-    lr: float = 2e-3
+    lr: float = 1e-2
+    threads: int = 1
 
 
 @dataclass
@@ -442,9 +451,40 @@ def _console(line: str) -> None:
 
 
 def run_demo(config: DemoConfig, write: Callable[[str], None] = _console) -> DemoResult:
-    """Pretrain, fine-tune with the finder under the budget, write the report files; return the result."""
-    from retune.callback import ScheduledBatchSizeFinder
+    """Pretrain, fine-tune with the finder under the budget, write the report files; return the result.
 
+    Runs on ``config.threads`` torch threads (1 by default) and restores the caller's setting:
+    convolutions on 8x8 images gain nothing from more threads, and on a busy 2-core machine two
+    threads per process made each step ten times slower in our measurements.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        with _quiet_lightning():
+            return _run(config, write)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def _quiet_lightning() -> Iterator[None]:
+    """Keep the demo's console to the story: Lightning's start-up notes (accelerators, a logger tip)
+    and a deprecation warning it triggers on recent torch are not about retune. Warnings that
+    matter (and retune's own lines) still show."""
+    names = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
+    levels = {name: logging.getLogger(name).level for name in names}
+    try:
+        for name in names:
+            logging.getLogger(name).setLevel(logging.WARNING)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.*")
+            yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
     started = time.perf_counter()
     lines: list[str] = []
 
@@ -477,7 +517,7 @@ def run_demo(config: DemoConfig, write: Callable[[str], None] = _console) -> Dem
     )
 
     sample = splits.finetune_train.tensors[0][:1]
-    probe_model = nn.Sequential(backbone, nn.Linear(128, 5))
+    probe_model = nn.Sequential(backbone, nn.Linear(FEATURES, 5))
     device_limit = SimulatedDevice(probe_model, sample, budget_bytes)
     model = DigitsFineTune(backbone, splits, device_limit, lr=config.lr)
     frozen_max, unfrozen_max = _phase_maxima(model, device_limit)
@@ -495,12 +535,13 @@ def run_demo(config: DemoConfig, write: Callable[[str], None] = _console) -> Dem
     finder = ScheduledBatchSizeFinder(schedule)
     unfreeze = pl.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=config.unfreeze_at)
     epoch_lines = EpochLines(device_limit, config.epochs, say)
+    logger = pl.loggers.CSVLogger(save_dir=str(out), name="logs")  # a new version_N per run
     trainer = pl.Trainer(
         max_epochs=config.epochs,
         accelerator="cpu",
         devices=1,
         callbacks=[unfreeze, finder, epoch_lines],
-        logger=pl.loggers.CSVLogger(save_dir=str(out), name="logs", version=0),
+        logger=logger,
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=progress,
@@ -539,7 +580,7 @@ def run_demo(config: DemoConfig, write: Callable[[str], None] = _console) -> Dem
     )
     say(f"accuracy on digits 5-9 ({len(splits.finetune_val)} held-out images): {final_acc:.3f}{frozen_note}")
     files = [outputs.json, outputs.csv] + ([outputs.png] if outputs.png else [])
-    say(f"outputs: {', '.join(str(p) for p in files)}; Lightning metrics in {out / 'logs' / 'version_0'}")
+    say(f"outputs: {', '.join(str(p) for p in files)}; Lightning's metrics.csv in {logger.log_dir}")
     seconds = time.perf_counter() - started
     say(f"finished in {seconds:.1f}s")
     return DemoResult(

@@ -38,6 +38,12 @@ class RetuneEvent:
     """Measured peak memory of each trial, in the order of ``trials`` (None where not measurable)."""
     budget_bytes: int | None = None
     """The limit a trial's peak was held to (None: only a real out-of-memory error counted)."""
+    accumulate: int = 1
+    """Gradient accumulation in force after the search."""
+    effective_batch_size: int = 0
+    """``batch_size_after * accumulate``: samples per optimizer step."""
+    lr_factor: float = 1.0
+    """What the learning rates were multiplied by (``apply.lr_scaling``)."""
     mode: str = ""
     """The search mode that ran (``model`` falls back to ``binsearch`` without memory statistics)."""
     note: str = ""

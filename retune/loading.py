@@ -30,10 +30,6 @@ SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml"}
 # asks for one fails loudly: accepting the key and ignoring it would be silent data loss.
 def _not_yet_supported(schedule: RetuneSchedule) -> list[FieldProblem]:
     problems = []
-    if schedule.apply.accumulate != "free":
-        problems.append(FieldProblem("apply.accumulate", f"{schedule.apply.accumulate!r} is not available yet"))
-    if schedule.apply.lr_scaling != "none":
-        problems.append(FieldProblem("apply.lr_scaling", f"{schedule.apply.lr_scaling!r} is not available yet"))
     if schedule.stages != ("train",):
         problems.append(FieldProblem("stages", f"{list(schedule.stages)}: only ['train'] is available yet"))
     return problems

@@ -129,10 +129,22 @@ def _pairs(value: Any) -> list[tuple[int, int]] | None:
 
 
 def write_json(path: PathLike, history: History) -> Path:
-    """Write ``history`` as indented JSON (``retune report`` reads it back); return the path."""
+    """Write ``history`` as JSON that ``retune report`` reads back; return the path.
+
+    One event, and each per-step series, per line: a history stays readable in a diff or a pager
+    without one line per trial field.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(history.to_dict(), indent=2) + "\n", encoding="utf-8")
+    data = history.to_dict()
+    lines = []
+    for key, value in data.items():
+        if key == "events" and value:
+            inner = ",\n".join(f"    {json.dumps(event)}" for event in value)
+            lines.append(f'  "events": [\n{inner}\n  ]')
+        else:
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
+    path.write_text("{\n" + ",\n".join(lines) + "\n}\n", encoding="utf-8")
     return path
 
 
@@ -147,7 +159,7 @@ def read_history(path: PathLike) -> History:
 def write_csv(path: PathLike, events: Sequence[RetuneEvent]) -> Path:
     """One row per search, for spreadsheets.
 
-    ``trial_sizes`` lists the probes in order as ``size:fit`` or ``size:oom``; ``peak_bytes`` is the
+    ``trial_sizes`` lists the probes in order as ``size:fit`` or ``size:fail``; ``peak_bytes`` is the
     measured peak of the size chosen (blank when not measured). Blank cells mean None.
     """
     path = Path(path)
@@ -169,7 +181,7 @@ def write_csv(path: PathLike, events: Sequence[RetuneEvent]) -> Path:
                     "duration_s": f"{e.duration_s:.4f}",
                     "max_fitting": _blank(e.max_fitting),
                     "min_failing": _blank(e.min_failing),
-                    "trial_sizes": " ".join(f"{t.batch_size}:{'fit' if t.fits else 'oom'}" for t in e.trials),
+                    "trial_sizes": " ".join(f"{t.batch_size}:{'fit' if t.fits else 'fail'}" for t in e.trials),
                     "peak_bytes": _blank(chosen_peak(e)),
                     "budget_bytes": _blank(getattr(e, "budget_bytes", None)),
                     "mode": getattr(e, "mode", ""),
@@ -324,11 +336,19 @@ def trial_peaks(event: RetuneEvent) -> list[int | None]:
 
 
 def chosen_peak(event: RetuneEvent) -> int | None:
-    """The peak measured by the trial of the size the search chose, when it was measured."""
+    """Measured peak for the size the search chose, or an upper bound for it; None if not measured.
+
+    The trial at the chosen size when there was one; else (binsearch's margin applies a size that
+    was not itself probed) the trial at ``max_fitting``, the smallest fitting size above it.
+    """
+    peaks = dict[int, int]()
     for trial, peak in zip(event.trials, trial_peaks(event), strict=True):
-        if trial.fits and trial.batch_size == event.batch_size_after and peak is not None:
-            return peak
-    return None
+        if trial.fits and peak is not None:
+            peaks[trial.batch_size] = peak
+    if event.batch_size_after in peaks:
+        return peaks[event.batch_size_after]
+    above = [size for size in peaks if size >= event.batch_size_after]
+    return peaks[min(above)] if above else None
 
 
 def _chosen_peaks(events: Iterable[RetuneEvent]) -> list[tuple[int, int]]:
@@ -336,8 +356,12 @@ def _chosen_peaks(events: Iterable[RetuneEvent]) -> list[tuple[int, int]]:
 
 
 def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Path:
-    """Draw batch size (and memory, when known) over global steps, one marked line per search.
+    """Draw batch size (and memory, when known) over global steps, with a marked line per search.
 
+    Top panel: the train batch size, a step line, each search marked at its global step with its
+    trigger and ``before -> after``. Bottom panel, only when any memory is known: the per-step
+    memory series, the measured peak of each search's chosen size (dots), and the budget (dashed).
+    Two panels rather than a second y-axis, so sizes and bytes never share a scale by accident.
     The image is always :data:`PLOT_SIZE_PX` pixels. Raises ImportError without matplotlib.
     """
     from matplotlib.figure import Figure  # Agg canvas, no pyplot: no global state, no GUI backend
@@ -346,45 +370,32 @@ def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Pa
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
+    series = record.steps or batch_size_series(record.events, record.end_step)
+    peaks = _chosen_peaks(record.events)
+    has_memory = bool(record.memory or peaks or record.budget_bytes is not None)
+
     width, height = PLOT_SIZE_PX
     fig = Figure(figsize=(width / PLOT_DPI, height / PLOT_DPI), dpi=PLOT_DPI)
-    ax = fig.add_subplot()
-    series = record.steps or batch_size_series(record.events, record.end_step)
-    handles = []
+    if has_memory:
+        ax, mem_ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    else:
+        ax, mem_ax = fig.add_subplot(), None
+
     if series:
         xs = [s for s, _ in series]
         ys = [v for _, v in series]
         # steps-post: a size holds from the step it was set until the next change
-        (line,) = ax.plot(xs, ys, drawstyle="steps-post", color="tab:blue", linewidth=2, label="train batch size")
-        handles.append(line)
-        ax.set_ylim(0, max(ys) * 1.25)
-    ax.set_xlabel("global step")
-    ax.set_ylabel("train batch size", color="tab:blue")
+        ax.plot(xs, ys, drawstyle="steps-post", color="tab:blue", linewidth=2)
+        ax.set_ylim(0, max(ys) * 1.3)
+    ax.set_ylabel("train batch size")
     ax.grid(True, alpha=0.3)
-
-    memory = record.memory or _chosen_peaks(record.events)
-    if memory or record.budget_bytes is not None:
-        mib = 1024 * 1024
-        ax2 = ax.twinx()
-        top = 0.0
-        if memory:
-            mem_x = [s for s, _ in memory]
-            mem_y = [v / mib for _, v in memory]
-            style: dict[str, Any] = {"linestyle": "none", "marker": "o"} if not record.memory else {"linewidth": 1}
-            (mline,) = ax2.plot(mem_x, mem_y, color="tab:orange", alpha=0.8, label=record.memory_label, **style)
-            handles.append(mline)
-            top = max(mem_y)
-        if record.budget_bytes is not None:
-            budget = record.budget_bytes / mib
-            bline = ax2.axhline(budget, color="tab:red", linestyle="--", linewidth=1, label="memory budget")
-            handles.append(bline)
-            top = max(top, budget)
-        ax2.set_ylim(0, top * 1.25 if top > 0 else 1)
-        ax2.set_ylabel("memory (MiB)", color="tab:orange")
+    ax.set_title(f"retune: train batch size over training ({len(record.events)} searches)")
 
     ymax = ax.get_ylim()[1]
     for e in record.events:
-        ax.axvline(e.global_step, color="gray", linestyle=":", linewidth=1)
+        for axis in (ax, mem_ax):
+            if axis is not None:
+                axis.axvline(e.global_step, color="gray", linestyle=":", linewidth=1)
         ax.annotate(
             f"{e.trigger}\n{e.batch_size_before} \u2192 {e.batch_size_after}",
             xy=(e.global_step, ymax),
@@ -395,9 +406,31 @@ def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Pa
             fontsize=8,
             color="dimgray",
         )
-    if handles:
-        ax.legend(handles=handles, loc="lower right", fontsize=8)
-    ax.set_title(f"retune: train batch size over training ({len(record.events)} searches)")
+
+    if mem_ax is not None:
+        mib = 1024 * 1024
+        top = 0.0
+        if record.memory:
+            mem_y = [v / mib for _, v in record.memory]
+            mem_ax.plot(
+                [s for s, _ in record.memory], mem_y, color="tab:orange", linewidth=1.5, label=record.memory_label
+            )
+            top = max(mem_y)
+        if peaks:
+            peak_y = [v / mib for _, v in peaks]
+            mem_ax.plot([s for s, _ in peaks], peak_y, "o", color="tab:green", label="measured peak of the size chosen")
+            top = max(top, *peak_y)
+        if record.budget_bytes is not None:
+            budget = record.budget_bytes / mib
+            mem_ax.axhline(budget, color="tab:red", linestyle="--", linewidth=1, label="memory budget")
+            top = max(top, budget)
+        mem_ax.set_ylim(0, top * 1.3 if top > 0 else 1)
+        mem_ax.set_ylabel("memory (MiB)")
+        mem_ax.grid(True, alpha=0.3)
+        mem_ax.legend(loc="lower right", fontsize=8)
+        mem_ax.set_xlabel("global step")
+    else:
+        ax.set_xlabel("global step")
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI, format="png")
     return path

@@ -44,6 +44,13 @@ def test_to_dict_fields_and_trials_as_pairs() -> None:
         "direction": "down",
         "max_fitting": 6,
         "min_failing": 7,
+        "peak_bytes": [],
+        "budget_bytes": None,
+        "accumulate": 1,
+        "effective_batch_size": 0,
+        "lr_factor": 1.0,
+        "mode": "",
+        "note": "",
     }
     assert set(data) == {f.name for f in dataclasses.fields(RetuneEvent)}
 

@@ -97,11 +97,6 @@ CASES: list[Any] = [
         "a number budget is a fraction of device memory in (0, 1], got 40",
     ),
     # -- valid format, but not built yet ----------------------------------------------------------
-    (
-        "not_yet_apply.yaml",
-        ("apply.accumulate", "apply.lr_scaling"),
-        "'keep_effective' is not available yet",
-    ),
     ("not_yet_stages.yaml", "stages", "['train', 'val']: only ['train'] is available yet"),
     # a YAML mapping key that is a list (`[5, 10]` inside a flow mapping, `at:` forgotten)
     ("flow_mapping_missing_key.yaml", "", "line 5"),
@@ -190,7 +185,7 @@ def test_several_problems_one_per_line() -> None:
 
 
 def test_unsupported_feature_in_a_ready_model_is_rejected() -> None:
-    model = RetuneSchedule.model_validate({"search": {"mode": "model"}, "triggers": [{"kind": "fit_start"}]})
+    model = RetuneSchedule.model_validate({"stages": ["train", "val"], "triggers": [{"kind": "fit_start"}]})
     with pytest.raises(ScheduleError) as info:
         load_schedule(model)
-    assert str(info.value) == "<schedule>: search.mode: 'model' is not available yet; use 'power' or 'binsearch'"
+    assert str(info.value) == "<schedule>: stages: ['train', 'val']: only ['train'] is available yet"

@@ -1,0 +1,91 @@
+"""What else changes with the batch size: gradient accumulation and learning rates.
+
+Changing the batch size mid-run changes the optimisation. Two policies let users choose what
+stays constant:
+
+* ``accumulate: keep_effective`` keeps ``batch_size x accumulate_grad_batches`` at the effective
+  batch size of the first tune (64 x 1 becomes 16 x 4 after an unfreeze), so the optimizer sees
+  the same number of samples per step and the LR schedule stays meaningful;
+* ``lr_scaling: linear | sqrt`` scales learning rates with the effective batch size instead:
+  by ``k`` (Goyal et al. 2017, for SGD) or ``sqrt(k)`` (Krizhevsky 2014; Malladi et al. 2022 for
+  Adam), including the schedulers' base rates so the schedule keeps its shape.
+
+Pure functions over torch objects; the callback decides when to call them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """Gradient accumulation for a batch size, and the effective batch size it gives."""
+
+    accumulate: int
+    effective: int
+    target: int
+
+    @property
+    def exact(self) -> bool:
+        return self.effective == self.target
+
+
+def accumulation_for(target_effective: int, batch_size: int) -> Accumulation:
+    """The accumulation that brings ``batch_size`` closest to ``target_effective`` (at least 1).
+
+    Example:
+        >>> accumulation_for(64, 16)
+        Accumulation(accumulate=4, effective=64, target=64)
+        >>> accumulation_for(64, 24)   # 64 / 24 = 2.67: the nearest is 3, giving 72
+        Accumulation(accumulate=3, effective=72, target=64)
+    """
+    if batch_size < 1 or target_effective < 1:
+        raise ValueError(f"batch sizes must be >= 1, got target {target_effective} and batch {batch_size}")
+    accumulate = max(1, round(target_effective / batch_size))
+    return Accumulation(accumulate, accumulate * batch_size, target_effective)
+
+
+def lr_factor(policy: str, old_effective: int, new_effective: int) -> float:
+    """How much learning rates scale when the effective batch size goes from old to new."""
+    if policy == "none" or old_effective == new_effective:
+        return 1.0
+    ratio = new_effective / old_effective
+    if policy == "linear":
+        return ratio
+    if policy == "sqrt":
+        return math.sqrt(ratio)
+    raise ValueError(f"unknown lr_scaling policy {policy!r}")
+
+
+# Keys in a param group that hold learning rates (OneCycleLR and CyclicLR keep theirs in the group).
+_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")
+# Scheduler attributes that hold learning rates, as lists per group or a single float.
+_SCHEDULER_LR_ATTRS = ("base_lrs", "_last_lr", "min_lrs", "max_lrs", "eta_min")
+
+
+def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], schedulers: Iterable[Any], factor: float) -> None:
+    """Multiply every learning rate the optimizers and their schedulers hold by ``factor``.
+
+    Scaling only ``group["lr"]`` would be undone at the scheduler's next step (it recomputes from
+    ``base_lrs``), so the schedulers' stored rates move too and the schedule keeps its shape.
+    """
+    if factor == 1.0:
+        return
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for key in _GROUP_LR_KEYS:
+                if isinstance(group.get(key), (int, float)) and not isinstance(group.get(key), bool):
+                    group[key] = group[key] * factor
+    for scheduler in schedulers:
+        for attr in _SCHEDULER_LR_ATTRS:
+            value = getattr(scheduler, attr, None)
+            if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
+                setattr(scheduler, attr, [v * factor for v in value])
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                setattr(scheduler, attr, value * factor)

@@ -1,0 +1,167 @@
+"""A "limited device" on CPU: a fixed memory capacity that raises the real CUDA out-of-memory error.
+
+There is no GPU here, so the benchmark runs every training step on CPU inside
+:class:`CapacityOracle`, a ``TorchDispatchMode`` that sees every tensor an operator returns while it
+is active. Live bytes are
+
+    base  (the model's parameters and buffers, which existed before the mode was entered)
+  + every CPU tensor storage created while the mode is active and still alive
+
+counted the way ``retune.memory.CpuPeakTracker`` counts them: each new storage once, keyed by
+``untyped_storage()._cdata``, and uncounted by a ``weakref.finalize`` when the storage is freed.
+When an operator's new storages would push live bytes over the capacity, the oracle raises
+
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate N bytes (simulated device, ...)")
+
+which both retune and Lightning's ``BatchSizeFinder`` (``is_oom_error``: a one-argument
+``RuntimeError`` whose text contains "CUDA" and "out of memory") treat as a device OOM. The
+operator's outputs are dropped with the exception, so they are uncounted at once.
+
+Decisions (all apply equally to retune and Lightning; see tests/benchmarks/README.md):
+
+* **Only new storages count.** An output that shares its storage with one of the operator's inputs
+  (in-place ops, ``out=`` ops, views) is no new memory. The inputs' storages are read *before*
+  the operator runs, so ``t.set_(storage)`` (how ``torch.load`` builds tensors) counts the loaded
+  storage. Tensors created before the mode (the dataset, the model) are never counted again when an
+  in-place op (an optimizer step) returns them.
+* **Host memory is not device memory.** retune keeps its snapshot in host memory; on a GPU its
+  copies (``retune.snapshot._host_copy``: ``.to("cpu", copy=True)``) take no device memory. On CPU
+  they are ``clone()``s that the oracle would otherwise charge to the simulated device, so
+  :func:`host_copies_off_device` pauses the oracle while ``_host_copy`` runs. Restoring writes them
+  back in place (no new storage), except a gradient that must be re-created, which is charged.
+* **Lightning's checkpoint.** ``torch.save`` writes to disk and allocates nothing. ``torch.load``
+  builds new storages, and the oracle charges them: on a GPU Lightning's finder restores with
+  ``map_location`` = the strategy's root device, so the loaded checkpoint does occupy device memory
+  until ``load_state_dict`` has copied it in (optimizer state loaded that way *becomes* the state).
+* **No allocator effects.** No block rounding, caching or fragmentation: the capacity is a sharp
+  limit on live tensor bytes, so the true maximum batch size is exact.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def resident_storage_bytes(modules: Iterable[nn.Module]) -> tuple[int, set[int]]:
+    """Bytes of the parameters and buffers of ``modules``, each storage once, and their storage keys."""
+    seen: dict[int, int] = {}
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            storage = tensor.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values()), set(seen)
+
+
+class CapacityOracle(TorchDispatchMode):  # type: ignore[misc]
+    """Raise ``torch.OutOfMemoryError`` when live tensor bytes would exceed ``capacity_bytes``.
+
+    Enter it around the whole run (``with oracle: trainer.fit(model)``); ``resident`` are the modules
+    whose parameters and buffers are already on the simulated device (the fixed base).
+    """
+
+    def __init__(self, capacity_bytes: int, resident: Iterable[nn.Module] = ()) -> None:
+        super().__init__()
+        self.capacity = int(capacity_bytes)
+        self.base, self._resident_keys = resident_storage_bytes(resident)
+        self.tracked = 0
+        self.peak = self.base
+        self.ooms = 0
+        self._live: dict[int, int] = {}
+        self._paused = 0
+
+    @property
+    def live_bytes(self) -> int:
+        return self.base + self.tracked
+
+    def reset_peak(self) -> None:
+        self.peak = self.live_bytes
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Allocations inside this block are host memory: not counted, never an OOM."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
+        inputs = {
+            leaf.untyped_storage()._cdata
+            for leaf in tree_leaves((args, kwargs))
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"
+        }
+        out = func(*args, **kwargs)
+        allocated = 0
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+                allocated += self._track(leaf, inputs)
+        if allocated and self.live_bytes > self.capacity:
+            self.ooms += 1
+            live = self.live_bytes - allocated
+            del out  # the new storages die with this frame: uncounted before the caller sees the error
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {allocated} bytes (simulated device, capacity "
+                f"{self.capacity} bytes, {live} bytes live, {self.capacity - live} bytes free)"
+            )
+        self.peak = max(self.peak, self.live_bytes)
+        return out
+
+    def _track(self, tensor: torch.Tensor, inputs: set[int]) -> int:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        nbytes = storage.nbytes()
+        if nbytes == 0 or key in inputs or key in self._live or key in self._resident_keys:
+            return 0  # a view, an in-place or out= result, or memory already counted
+        self._live[key] = nbytes
+        self.tracked += nbytes
+        weakref.finalize(storage, self._release, key)
+        return nbytes
+
+    def _release(self, key: int) -> None:
+        self.tracked -= self._live.pop(key, 0)
+
+
+@contextmanager
+def host_copies_off_device(oracle: CapacityOracle) -> Iterator[None]:
+    """Do not charge retune's snapshot copies to the simulated device (they live in host memory).
+
+    On a GPU ``retune.snapshot._host_copy`` copies device tensors to the CPU, so the snapshot takes
+    no device memory. On this CPU-only machine the same function is a ``clone()`` that the oracle
+    would charge to the simulated device, penalising retune for memory a GPU run would not use. The
+    benchmark (and only the benchmark) wraps it to pause the oracle while it runs.
+    """
+    import retune.snapshot as snapshot
+
+    original = snapshot._host_copy
+
+    def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+        with oracle.paused():
+            return original(tensor)
+
+    snapshot._host_copy = _host_copy
+    try:
+        yield
+    finally:
+        snapshot._host_copy = original
+
+
+@contextmanager
+def simulated_device(capacity_bytes: int, resident: Iterable[nn.Module]) -> Iterator[CapacityOracle]:
+    """The oracle entered, with retune's host copies kept off it."""
+    oracle = CapacityOracle(capacity_bytes, resident)
+    with host_copies_off_device(oracle), oracle:
+        yield oracle
