@@ -8,7 +8,7 @@ optimizer state for the new parameters, and activations kept for their backward 
 ``fts_phase``) searches the largest batch size that fits when fit starts and again at every phase
 transition, after FTS has restored its best checkpoint and thawed the next phase::
 
-    python examples/fts_finetune.py                    # CPU, a simulated 2 MiB device, ~10 s
+    python examples/fts_finetune.py                    # CPU, simulated 2 MiB device: ~15 s, half of it imports
     python examples/fts_finetune.py --memory-mib 0 --accelerator gpu   # real OOM errors on a GPU
 
 A CPU has no fixed memory to run out of, so by default the model simulates a small device: its
@@ -54,7 +54,7 @@ def make_data(n: int, seed: int) -> TensorDataset:
 class Classifier(pl.LightningModule):
     """A backbone + head classifier that keeps its train batch size in ``self.batch_size``."""
 
-    def __init__(self, batch_size: int = 16, memory_mib: float = 2.0, n_train: int = 4096) -> None:
+    def __init__(self, batch_size: int = 16, memory_mib: float = 2.0, n_train: int = 2048) -> None:
         super().__init__()
         self.batch_size = batch_size  # retune writes the size it finds here
         self.memory_bytes = int(memory_mib * 2**20)
@@ -138,7 +138,7 @@ class Result:
 
 def main(argv: Sequence[str] | None = None) -> Result:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-epochs", type=int, default=6)
+    parser.add_argument("--max-epochs", type=int, default=5)
     parser.add_argument("--memory-mib", type=float, default=2.0, help="simulated device memory; 0: no simulation")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--root-dir", help="where FTS writes checkpoints and its schedule (default: a temp dir)")

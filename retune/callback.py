@@ -80,6 +80,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             self._say("fast_dev_run is on: skipping every batch-size search in this run", warn=True)
             return
         compat.check_train_source(trainer)
+        compat.check_strategy(trainer)
         if self.schedule.apply.accumulate == "keep_effective" and compat.accumulation_is_scheduled(trainer):
             raise RetuneError(
                 "apply.accumulate: keep_effective sets gradient accumulation itself and cannot share it with a "
@@ -112,7 +113,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             return
         view = self._view(trainer, pl_module)
         self._fit_starting = False
-        firing = evaluate(self.triggers, view)
+        # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
+        firing = compat.broadcast_object(trainer, evaluate(self.triggers, view))
         if firing is not None:
             self._search(trainer, pl_module, firing, cold="fit_start" in firing.kinds)
         if self._accumulate is not None:

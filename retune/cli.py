@@ -66,6 +66,7 @@ def _demo(args: argparse.Namespace) -> int:
         "pretrain_epochs": args.pretrain_epochs,
         "limit": args.limit,
         "progress_bar": args.progress_bar,
+        "memory": args.memory,
     }
     try:
         run_demo(DemoConfig(**{k: v for k, v in given.items() if v is not None}))
@@ -149,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SIZE",
         help="memory budget such as 6MiB; written into the schedule's memory.budget (default: the "
-        "schedule's, else 2MiB). The demo enforces it with a simulated device, see retune/demo.py",
+        "schedule's, else 2MiB); see --memory for how it is enforced",
     )
     p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: ./retune-demo)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: 0)")
@@ -169,6 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="use at most N training images per task, for a quick run (default: all)",
+    )
+    p.add_argument(
+        "--memory",
+        choices=("simulated", "measured"),
+        default=None,
+        help="simulated (default): a simulated device enforces the budget, so sizes are exact and repeatable; "
+        "measured: retune holds each probe's measured peak memory to the schedule's budget",
     )
     bar = p.add_mutually_exclusive_group()
     bar.add_argument(

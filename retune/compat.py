@@ -213,13 +213,98 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     )
 
 
+# -- distributed -------------------------------------------------------------------------------
+
+
+def _strategy_kind(trainer: Any) -> str:
+    """``single``, ``ddp`` (data parallel: every rank holds the whole model) or the unsupported name."""
+    if int(getattr(trainer, "world_size", 1)) <= 1:
+        return "single"
+    names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
+    if names & {"DDPStrategy", "DDPSpawnStrategy"}:
+        return "ddp"
+    return type(trainer.strategy).__name__
+
+
+def check_strategy(trainer: Any) -> None:
+    """Refuse sharded strategies: a probe runs the unwrapped module, which they do not keep whole."""
+    kind = _strategy_kind(trainer)
+    if kind not in ("single", "ddp"):
+        raise RetuneError(
+            f"ScheduledBatchSizeFinder supports a single device and DDP (ddp, ddp_spawn); {kind} shards the "
+            "model, which probes on the unwrapped module cannot run. See the README on FSDP."
+        )
+
+
+def is_distributed(trainer: Any) -> bool:
+    return _strategy_kind(trainer) == "ddp"
+
+
+def all_gather_object(trainer: Any, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (just ``[obj]`` on a single device). One collective call."""
+    if not is_distributed(trainer):
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def broadcast_object(trainer: Any, obj: Any) -> Any:
+    """Rank zero's ``obj`` on every rank (a no-op on a single device)."""
+    if not is_distributed(trainer):
+        return obj
+    return trainer.strategy.broadcast(obj, src=0)
+
+
+@contextmanager
+def _no_ddp_sync(trainer: Any) -> Iterator[None]:
+    """Keep DDP's reducer out of probe steps.
+
+    A probe runs the unwrapped LightningModule, so DDP's forward never prepares the reducer and its
+    gradient hooks return without communicating; manual optimization's ``manual_backward`` would
+    prepare it through ``strategy.pre_backward``, which is silenced here. No collective runs inside
+    a probe step, so a rank that runs out of memory cannot leave the others waiting.
+    """
+    strategy = trainer.strategy
+    saved = {name: strategy.__dict__.get(name) for name in ("pre_backward", "post_backward")}
+    strategy.pre_backward = lambda *args, **kwargs: None
+    strategy.post_backward = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                strategy.__dict__.pop(name, None)
+            else:
+                setattr(strategy, name, value)
+
+
+def _forward(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> Any:
+    strategy = trainer.strategy
+    if is_distributed(trainer):
+        with strategy.precision_plugin.train_step_context():
+            return pl_module.training_step(batch, batch_idx)
+    return strategy.training_step(batch, batch_idx)
+
+
 def training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
     """One real training step: forward, backward and optimizer step under the trainer's strategy and
-    precision (autocast, grad scaler, DDP forward redirection), without the loop's bookkeeping."""
+    precision (autocast, grad scaler), without the loop's bookkeeping. Under DDP the step runs on the
+    unwrapped module with the reducer kept out (see ``_no_ddp_sync``): same memory, no collectives."""
+    if is_distributed(trainer):
+        with _no_ddp_sync(trainer):
+            _training_step(trainer, pl_module, batch, batch_idx)
+    else:
+        _training_step(trainer, pl_module, batch, batch_idx)
+
+
+def _training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
     strategy = trainer.strategy
     legacy = is_legacy(trainer)
     if not pl_module.automatic_optimization:
-        strategy.training_step(batch, batch_idx)  # the user's step does backward and step itself
+        _forward(trainer, pl_module, batch, batch_idx)  # the user's step does backward and step itself
         return
     optimizers = list(trainer.optimizers)
     if len(optimizers) != 1:
@@ -230,7 +315,7 @@ def training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> N
     optimizer = optimizers[0]
 
     def closure() -> torch.Tensor | None:
-        loss = _loss_of(strategy.training_step(batch, batch_idx))
+        loss = _loss_of(_forward(trainer, pl_module, batch, batch_idx))
         if loss is None:
             return None
         if legacy:

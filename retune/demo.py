@@ -55,6 +55,7 @@ DEFAULT_UNFREEZE_AT = 3
 DEFAULT_PRETRAIN_EPOCHS = 12
 DEFAULT_BUDGET = "2MiB"
 DEFAULT_OUT = Path("retune-demo")
+MEMORY_MODES = ("simulated", "measured")
 EVAL_BATCH_SIZE = 256
 FEATURES = 64
 # The ready-made schedule in the source tree; a wheel has no schedules/ folder, so the demo falls
@@ -228,8 +229,9 @@ class SimulatedDevice:
     backward) and the fixed cost (gradients and Adam state), as on a real accelerator.
     """
 
-    def __init__(self, model: nn.Module, sample: torch.Tensor, budget_bytes: int) -> None:
+    def __init__(self, model: nn.Module, sample: torch.Tensor, budget_bytes: int, enforce: bool = True) -> None:
         self.budget_bytes = budget_bytes
+        self.enforce = enforce  # False: only estimate (the demo's "measured" mode leaves limits to retune)
         self.input_bytes = sample[:1].nelement() * sample.element_size()
         self.layers = self._measure(model, sample[:1])
 
@@ -281,7 +283,7 @@ class SimulatedDevice:
     def check(self, batch_size: int, model: nn.Module) -> MemoryEstimate:
         """Return the estimate, or raise the real ``torch.OutOfMemoryError`` when it exceeds the budget."""
         e = self.estimate(batch_size, model)
-        if e.total > self.budget_bytes:
+        if self.enforce and e.total > self.budget_bytes:
             raise torch.OutOfMemoryError(
                 f"out of memory (simulated device): tried to allocate {e.total - self.budget_bytes} bytes more "
                 f"than the {self.budget_bytes}-byte budget at batch size {batch_size}"
@@ -346,9 +348,8 @@ class DigitsFineTune(pl.LightningModule):  # type: ignore[misc]
 class EpochLines(pl.Callback):  # type: ignore[misc]
     """One line per epoch (size, what is trainable, simulated memory, val accuracy), bar-safe."""
 
-    def __init__(self, device_limit: SimulatedDevice, epochs: int, write: Callable[[str], None]) -> None:
+    def __init__(self, device_limit: SimulatedDevice | None, write: Callable[[str], None]) -> None:
         self.device_limit = device_limit
-        self.epochs = epochs
         self.write = write
         self.val_acc: list[float] = []
 
@@ -358,12 +359,14 @@ class EpochLines(pl.Callback):  # type: ignore[misc]
         self.val_acc.append(value)
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         total = sum(p.numel() for p in pl_module.parameters())
-        used = self.device_limit.estimate(pl_module.batch_size, pl_module).total
+        memory = ""
+        if self.device_limit is not None:
+            used = self.device_limit.estimate(pl_module.batch_size, pl_module).total
+            budget = report.format_bytes(self.device_limit.budget_bytes)
+            memory = f", simulated memory {report.format_bytes(used)} of {budget}"
         self.write(
             f"epoch {trainer.current_epoch}: batch size {pl_module.batch_size}, "
-            f"{trainable:,} of {total:,} parameters trainable, simulated memory "
-            f"{report.format_bytes(used)} of {report.format_bytes(self.device_limit.budget_bytes)}, "
-            f"val accuracy {value:.3f}"
+            f"{trainable:,} of {total:,} parameters trainable{memory}, val accuracy {value:.3f}"
         )
 
 
@@ -385,6 +388,7 @@ class DemoConfig:
     progress_bar: bool | None = None  # None: only when stdout is a terminal
     lr: float = 1e-2
     threads: int = 1
+    memory: str = "simulated"  # or "measured": retune's own budget on measured peaks, no simulation
 
 
 @dataclass
@@ -397,19 +401,22 @@ class DemoResult:
     pretrain_accuracy: float
     epoch_accuracy: list[float]
     budget_bytes: int
-    true_max: dict[str, int]
+    true_max: dict[str, int] | None  # the simulated device's exact maxima; None in measured mode
     outputs: report.OutputPaths
     seconds: float
     lines: list[str] = field(default_factory=list)
 
 
-def resolve_schedule(source: str | Path | None, budget: str | None) -> tuple[RetuneSchedule, int, str, str]:
+def resolve_schedule(
+    source: str | Path | None, budget: str | None, memory_mode: str = "simulated"
+) -> tuple[RetuneSchedule, int, str, str]:
     """The schedule the finder runs, the budget in bytes, and where each came from.
 
     The budget is ``--budget`` if given, else the schedule's ``memory.budget``, else
-    :data:`DEFAULT_BUDGET`. It must be an absolute size: the simulated device has no "total memory"
-    for a fraction to apply to. It is removed from the schedule handed to the finder, which
-    rejects budgets until retune enforces them itself (see the module docstring).
+    :data:`DEFAULT_BUDGET`. It must be an absolute size: a CPU has no "total memory" for a
+    fraction to apply to. With ``memory_mode="simulated"`` it is removed from the schedule handed
+    to the finder and enforced by :class:`SimulatedDevice`; with ``"measured"`` it stays in the
+    schedule and retune holds each probe's measured peak to it.
     """
     if source is None:
         if SCHEDULE_FILE.exists():
@@ -430,7 +437,7 @@ def resolve_schedule(source: str | Path | None, budget: str | None) -> tuple[Ret
             [
                 FieldProblem(
                     field_name,
-                    f"{value!r}: the demo's simulated device needs an absolute size such as '6MiB', not a fraction",
+                    f"{value!r}: the demo runs on a CPU and needs an absolute size such as '2MiB', not a fraction",
                 )
             ],
         )
@@ -438,7 +445,7 @@ def resolve_schedule(source: str | Path | None, budget: str | None) -> tuple[Ret
         budget_bytes = parse_byte_size(value)
     except ValueError as exc:
         raise ScheduleError(name, [FieldProblem("memory.budget", str(exc))]) from None
-    memory["budget"] = None  # enforced by SimulatedDevice, see above
+    memory["budget"] = value if memory_mode == "measured" else None
     schedule = validate_data({**data, "memory": memory}, name)
     return schedule, budget_bytes, name, f"{report.format_bytes(budget_bytes)} ({origin})"
 
@@ -496,7 +503,10 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
         raise ValueError("--epochs must be at least 1")
     if config.unfreeze_at < 0:
         raise ValueError("--unfreeze-at must be >= 0")
-    schedule, budget_bytes, schedule_name, budget_text = resolve_schedule(config.schedule, config.budget)
+    if config.memory not in MEMORY_MODES:
+        raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {config.memory!r}")
+    simulated = config.memory == "simulated"
+    schedule, budget_bytes, schedule_name, budget_text = resolve_schedule(config.schedule, config.budget, config.memory)
     pl.seed_everything(config.seed, verbose=False)
     splits = load_digit_splits(config.seed, config.limit)
 
@@ -518,13 +528,16 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
 
     sample = splits.finetune_train.tensors[0][:1]
     probe_model = nn.Sequential(backbone, nn.Linear(FEATURES, 5))
-    device_limit = SimulatedDevice(probe_model, sample, budget_bytes)
+    device_limit = SimulatedDevice(probe_model, sample, budget_bytes, enforce=simulated)
     model = DigitsFineTune(backbone, splits, device_limit, lr=config.lr)
     frozen_max, unfrozen_max = _phase_maxima(model, device_limit)
-    say(
-        f"  memory budget: {budget_text}, enforced by a simulated device (retune/demo.py): "
-        f"largest batch {frozen_max} with the backbone frozen, {unfrozen_max} unfrozen"
-    )
+    if simulated:
+        say(
+            f"  memory budget: {budget_text}, enforced by a simulated device (retune/demo.py): "
+            f"largest batch {frozen_max} with the backbone frozen, {unfrozen_max} unfrozen"
+        )
+    else:
+        say(f"  memory budget: {budget_text}, held by retune to each probe's measured peak (tensor bytes)")
     say(
         f"fine-tuning on digits 5-9 for {config.epochs} epochs; BackboneFinetuning unfreezes the backbone "
         f"at epoch {config.unfreeze_at} (epochs count from 0)"
@@ -534,7 +547,7 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
     out = Path(config.out)
     finder = ScheduledBatchSizeFinder(schedule)
     unfreeze = pl.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=config.unfreeze_at)
-    epoch_lines = EpochLines(device_limit, config.epochs, say)
+    epoch_lines = EpochLines(device_limit if simulated else None, say)
     logger = pl.loggers.CSVLogger(save_dir=str(out), name="logs")  # a new version_N per run
     trainer = pl.Trainer(
         max_epochs=config.epochs,
@@ -552,13 +565,14 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
     trainer.fit(model)
 
     final_acc = accuracy(model.backbone, model.head, splits.finetune_val)
+    true_max = {"frozen": frozen_max, "unfrozen": unfrozen_max} if simulated else None
     frozen_epochs = [a for i, a in enumerate(epoch_lines.val_acc) if i < config.unfreeze_at]
     outputs = report.write_outputs(
         finder.history,
         out,
         steps=model.step_sizes,
-        memory=model.step_memory,
-        memory_label="simulated step memory",
+        memory=model.step_memory if simulated else None,
+        memory_label="simulated step memory" if simulated else "peak memory",
         budget_bytes=budget_bytes,
         end_step=int(trainer.global_step),
         meta={
@@ -568,7 +582,8 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
             "epochs": config.epochs,
             "unfreeze_at": config.unfreeze_at,
             "accuracy": final_acc,
-            "true_max": {"frozen": frozen_max, "unfrozen": unfrozen_max},
+            "memory": config.memory,
+            "true_max": true_max,
         },
     )
     say("")
@@ -590,7 +605,7 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
         pretrain_accuracy=pretrain_acc,
         epoch_accuracy=list(epoch_lines.val_acc),
         budget_bytes=budget_bytes,
-        true_max={"frozen": frozen_max, "unfrozen": unfrozen_max},
+        true_max=true_max,
         outputs=outputs,
         seconds=seconds,
         lines=lines,

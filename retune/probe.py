@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from retune import compat
+from retune.errors import RetuneError
 from retune.memory import measure_peak
 from retune.oom import is_oom_error
 from retune.snapshot import TrainingSnapshot, sampler_generators
@@ -92,40 +93,60 @@ class Prober:
         """Run one trial at ``size``: whether it fits, and its peak memory when measurable.
 
         A trial fails on an out-of-memory error or a peak above the budget; any other error propagates
-        after the state is restored.
+        after the state is restored. Under DDP every rank runs the trial, then the outcome is agreed in
+        exactly one collective call whatever happened locally: the trial fits only if it fit on every
+        rank, the peak is the largest rank's, and an error on any rank is raised on all of them.
         """
+        status, peak, error = self._local_trial(size)
+        message = "" if error is None else f"{type(error).__name__}: {error}"
+        outcomes = compat.all_gather_object(self.trainer, (status, peak, message))
+        failed = [(rank, text) for rank, (state, _, text) in enumerate(outcomes) if state == "error"]
+        if failed:
+            if error is not None:
+                raise error
+            rank, text = failed[0]
+            raise RetuneError(f"rank {rank} failed during a batch-size probe at size {size}: {text}")
+        ok = all(state == "fits" for state, _, _ in outcomes)
+        peaks = [p for _, p, _ in outcomes]
+        agreed_peak = max(p for p in peaks if p is not None) if ok and all(p is not None for p in peaks) else None
+        if ok and agreed_peak is not None and self.budget_bytes is not None and agreed_peak > self.budget_bytes:
+            ok = False  # ran, but needs more than the budget allows
+        self.peaks.append(agreed_peak)
+        if self.on_trial is not None:
+            self.on_trial(size, ok, agreed_peak)
+        return ok, agreed_peak
+
+    def _local_trial(self, size: int) -> tuple[str, int | None, BaseException | None]:
+        """This process's trial: ``("fits" | "oom" | "error", peak, the error to re-raise)``."""
         assert self._snapshot is not None, "measure() is only valid inside session()"
         compat.set_batch_attr(self.trainer, self.pl_module, self.batch_arg_name, size)
-        loader = compat.request_train_dataloader(self.trainer)
-        generators = [(g, g.get_state()) for g in sampler_generators(loader)]
-        ok = True
+        generators: list[tuple[torch.Generator, torch.Tensor]] = []
+        status, error = "fits", None
         optimizers = list(self.trainer.optimizers)
         reading = None
         try:
+            loader = compat.request_train_dataloader(self.trainer)
+            generators = [(g, g.get_state()) for g in sampler_generators(loader)]
             with (
                 compat.hooks_isolated(self.trainer, self.pl_module),
                 measure_peak(self.pl_module.device, self.pl_module, optimizers) as reading,
             ):
                 self._run_steps(loader)
         except BaseException as exc:
-            if not is_oom_error(exc):
-                raise
-            ok = False
+            if is_oom_error(exc):
+                status = "oom"
+            else:
+                status, error = "error", exc
         finally:
             for optimizer in self.trainer.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             loader = None
-            _free_memory(collect=not ok)
+            _free_memory(collect=status == "oom")
             self._snapshot.restore()
             for generator, state in generators:
                 generator.set_state(state)
-        peak = reading.peak_bytes if (ok and reading is not None) else None
-        if ok and peak is not None and self.budget_bytes is not None and peak > self.budget_bytes:
-            ok = False  # ran, but needs more than the budget allows
-        self.peaks.append(peak)
-        if self.on_trial is not None:
-            self.on_trial(size, ok, peak)
-        return ok, peak
+        peak = reading.peak_bytes if (status == "fits" and reading is not None) else None
+        return status, peak, error
 
     def _run_steps(self, loader: Any) -> None:
         batches = compat.iterate_batches(loader)  # a generator: close() ends its loader's workers

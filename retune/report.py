@@ -360,7 +360,8 @@ def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Pa
 
     Top panel: the train batch size, a step line, each search marked at its global step with its
     trigger and ``before -> after``. Bottom panel, only when any memory is known: the per-step
-    memory series, the measured peak of each search's chosen size (dots), and the budget (dashed).
+    memory series if the run recorded one, else the measured peak of each search's chosen size
+    (dots), and the budget (dashed).
     Two panels rather than a second y-axis, so sizes and bytes never share a scale by accident.
     The image is always :data:`PLOT_SIZE_PX` pixels. Raises ImportError without matplotlib.
     """
@@ -371,7 +372,9 @@ def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Pa
     path.parent.mkdir(parents=True, exist_ok=True)
 
     series = record.steps or batch_size_series(record.events, record.end_step)
-    peaks = _chosen_peaks(record.events)
+    # an explicit per-step series is the caller's view of memory; trial peaks are only the fallback,
+    # so two different measures (say, the demo's simulated device and tensor bytes) never mix
+    peaks = [] if record.memory else _chosen_peaks(record.events)
     has_memory = bool(record.memory or peaks or record.budget_bytes is not None)
 
     width, height = PLOT_SIZE_PX

@@ -16,6 +16,8 @@ Skipped where Flash is not installed (the main Lightning 2.x venv); run in the F
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from retune.integrations.flash import (  # noqa: E402
 from tests.lightning_ns import pl  # noqa: E402
 from tests.oracle import MemoryOracle  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 N = 384
 CAPACITY = 500_000  # true maxima: 274 head only, 27 with the last backbone layer, 15 all trainable
 ORACLE = MemoryOracle(capacity=CAPACITY)
@@ -213,10 +216,14 @@ def test_strategy_freeze_unfreeze_retunes_in_its_own_hook(tmp_path: Path) -> Non
     assert not any(isinstance(cb, ScheduledBatchSizeFinder) for cb in trainer.callbacks)
     assert strategy.batch_size == dm.batch_size
 
-    # checkpoints keep Flash's state and the finder's, under the strategy's key
+    # checkpoints keep Flash's state and the finder's, under the strategy's key. Lightning 1.9 loads
+    # checkpoints with torch.load's default, weights_only=True on torch >= 2.6, so the state must be
+    # plain data. (The whole file needs weights_only=False: this Task's hparams hold its backbone module.)
     path = tmp_path / "last.ckpt"
     trainer.save_checkpoint(path)
     saved = torch.load(path, weights_only=False)["callbacks"][strategy.state_key]
+    torch.save(saved, tmp_path / "strategy.pt")
+    assert torch.load(tmp_path / "strategy.pt", weights_only=True) == saved
     assert "internal_optimizer_metadata" in saved
     assert saved["retune"]["batch_size"] == strategy.batch_size
     restored = RetuneFlashStrategy("freeze_unfreeze", 1, verbose=False)
@@ -288,6 +295,14 @@ def test_finder_in_callbacks_next_to_the_strategy_is_refused() -> None:
         trainer.finetune(OracleTask(), datamodule=_datamodule(), strategy=strategy)
 
 
+def test_the_strategy_drives_every_hook_the_finder_implements() -> None:
+    """The finder is not in ``trainer.callbacks``: a hook it implements that the strategy does not
+    forward would silently never run."""
+    hooks = {name for name in vars(ScheduledBatchSizeFinder) if hasattr(pl.Callback, name)}
+    assert {"setup", "on_fit_start", "on_train_epoch_start", "state_dict", "load_state_dict"} <= hooks
+    assert hooks <= set(vars(RetuneFlashStrategy))
+
+
 def test_flash_spelling_and_keywords_build_the_same_strategy() -> None:
     cases = [
         (RetuneFlashStrategy("freeze_unfreeze", 3), RetuneFlashStrategy.from_flash(("freeze_unfreeze", 3))),
@@ -357,3 +372,23 @@ def test_probe_steps_leave_the_task_metrics_untouched() -> None:
         model, datamodule=dm, strategy=RetuneFlashStrategy("freeze", schedule=FIT_START_SCHEDULE, verbose=False)
     )
     assert model.metric_updates_at_first_batch == {0: 0}
+
+
+# -- the example ----------------------------------------------------------------------------------
+
+
+def test_example_flash_finetune_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = importlib.util.spec_from_file_location("flash_finetune_example", ROOT / "examples" / "flash_finetune.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, example)  # dataclasses look their module up there
+    spec.loader.exec_module(example)
+
+    before = torch.get_num_threads()
+    result = example.main(["--quiet", "--max-epochs", "2", "--unfreeze-epoch", "1", "--n-train", "1024"])
+    torch.set_num_threads(before)
+    assert [e.epoch for e in result.history] == [0, 1]
+    for event in result.history:
+        true_max = result.model.epoch_max[event.epoch]
+        assert 0.9 * true_max <= event.batch_size_after <= true_max
+    assert result.trainer.state.finished

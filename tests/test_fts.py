@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 import torch
 
-from retune import ScheduledBatchSizeFinder
+from retune import ScheduledBatchSizeFinder, load_schedule
 from tests.lightning_ns import NAMESPACE, pl
 from tests.oracle import FineTuneModel
 
@@ -40,8 +40,6 @@ if NAMESPACE != "lightning.pytorch":
     pytest.skip("finetuning-scheduler builds on the lightning.pytorch namespace", allow_module_level=True)
 
 pytestmark = [
-    # FTS adds an FTSCheckpoint on val_loss when none is given (the tests without restore_best)
-    pytest.mark.filterwarnings("ignore:No monitor metric specified for FTSCheckpoint"),
     # epoch_transitions_only wants a max_transition_epoch on the final phase, and then says so
     pytest.mark.filterwarnings("ignore:Final phase max_transition_epoch"),
 ]
@@ -53,7 +51,13 @@ FTSEarlyStopping = fts_module.FTSEarlyStopping
 ROOT = Path(__file__).parent.parent
 FTS_DIR = Path(__file__).parent / "fts"
 N = 2048
-FTS_PHASE = {"triggers": [{"kind": "fit_start"}, {"kind": "fts_phase"}]}
+SHIPPED = ROOT / "schedules" / "fts_phases.yaml"  # fit_start + fts_phase, every search setting at its default
+
+
+def _schedule(*kinds: str) -> dict[str, Any]:
+    """fit_start + ``kinds``, one probe step per trial: the oracle's verdict does not depend on the
+    number of steps, and the searches are most of these tests' run time."""
+    return {"search": {"steps_per_trial": 1}, "triggers": [{"kind": "fit_start"}, *({"kind": k} for k in kinds)]}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -217,9 +221,11 @@ def test_epoch_driven_transitions_search_each_phase_after_fts_thawed_it(tmp_path
     pl.seed_everything(0)
     model = PhasedModel(batch_size=8, n=N)
     recorder = ViewRecorder()
-    finder = ScheduledBatchSizeFinder(FTS_PHASE, triggers=[recorder], verbose=False)
+    assert load_schedule(SHIPPED) == load_schedule({"triggers": [{"kind": "fit_start"}, {"kind": "fts_phase"}]})
+    finder = ScheduledBatchSizeFinder(SHIPPED, triggers=[recorder], verbose=False)
     fts = _fts("epoch_driven.yaml", epoch_transitions_only=True, restore_best=False)
-    trainer = _trainer(tmp_path, [finder, fts] if finder_first else [fts, finder], max_epochs=5)
+    ckpt = FTSCheckpoint(monitor="val_loss", save_top_k=1)  # FTS needs one, restore_best or not
+    trainer = _trainer(tmp_path, [finder, fts, ckpt] if finder_first else [fts, ckpt, finder], max_epochs=5)
     trainer.fit(model)
 
     _assert_one_search_per_phase(trainer, model, finder, fts, transitions=[2, 4], trigger="fts_phase")
@@ -242,7 +248,7 @@ def test_early_stopping_driven_transitions_search_each_phase(tmp_path: Path) -> 
     """
     pl.seed_everything(0)
     model = PhasedModel(batch_size=8, n=N)
-    finder = ScheduledBatchSizeFinder(FTS_PHASE, verbose=False)
+    finder = ScheduledBatchSizeFinder(_schedule("fts_phase"), verbose=False)
     fts = _fts("es_driven.yaml")  # FTS defaults: early stopping composed with epochs, restore_best=True
     early = FTSEarlyStopping(monitor="val_loss", min_delta=10.0, patience=1)
     ckpt = FTSCheckpoint(monitor="val_loss", save_top_k=1)
@@ -268,10 +274,9 @@ def test_early_stopping_driven_transitions_search_each_phase(tmp_path: Path) -> 
 def test_trainable_params_changed_fires_at_each_fts_transition(tmp_path: Path, kinds: list[str], label: str) -> None:
     pl.seed_everything(0)
     model = PhasedModel(batch_size=8, n=N)
-    schedule = {"triggers": [{"kind": "fit_start"}, *({"kind": k} for k in kinds)]}
-    finder = ScheduledBatchSizeFinder(schedule, verbose=False)
+    finder = ScheduledBatchSizeFinder(_schedule(*kinds), verbose=False)
     fts = _fts("epoch_driven.yaml", epoch_transitions_only=True, restore_best=False)
-    trainer = _trainer(tmp_path, [finder, fts], max_epochs=5)
+    trainer = _trainer(tmp_path, [finder, fts, FTSCheckpoint(monitor="val_loss", save_top_k=1)], max_epochs=5)
     trainer.fit(model)
     _assert_one_search_per_phase(trainer, model, finder, fts, transitions=[2, 4], trigger=label)
 
@@ -305,7 +310,7 @@ def test_restore_best_weights_survive_the_search_at_each_transition(tmp_path: Pa
     """
     pl.seed_everything(0)
     model = PhasedModel(record_state=True, batch_size=8, n=N, scheduler="step")
-    finder = ScheduledBatchSizeFinder(FTS_PHASE, verbose=False)
+    finder = ScheduledBatchSizeFinder(_schedule("fts_phase"), verbose=False)
     fts = _fts("epoch_driven.yaml", epoch_transitions_only=True)  # restore_best=True is FTS's default
     spy = AfterFts()
     ckpt = FTSCheckpoint(monitor="val_epoch", mode="min", save_top_k=1)
@@ -339,7 +344,7 @@ def test_optimizer_and_scheduler_fts_rebuilds_at_a_transition_are_probed_and_lef
     so it probes the new optimizer and leaves it as FTS built it (no state from the probe steps)."""
     pl.seed_everything(0)
     model = PhasedModel(record_state=True, batch_size=8, n=N, scheduler="step")
-    finder = ScheduledBatchSizeFinder(FTS_PHASE, verbose=False)
+    finder = ScheduledBatchSizeFinder(_schedule("fts_phase"), verbose=False)
     fts = _fts("reinit_optimizer.yaml", epoch_transitions_only=True)
     spy = AfterFts()
     # mode="max" keeps the latest checkpoint the best: restoring it never mixes SGD state into AdamW

@@ -102,8 +102,15 @@ class RetuneFlashStrategy(FlashBaseFinetuning):  # type: ignore[misc]
             would never re-tune, which is the point of this class); add ``param_groups_changed``.
 
     After (or during) training, :attr:`batch_size` is the train batch size in use and
-    :attr:`history` holds one :class:`~retune.RetuneEvent` per search. Checkpoints keep both, next to
-    Flash's own state, so a resumed run starts at the tuned size.
+    :attr:`history` holds one :class:`~retune.RetuneEvent` per search. Checkpoints keep both, as
+    plain data under ``"retune"`` next to Flash's own state. (Resuming a run past an unfreeze fails
+    in Flash 0.8.2 on Lightning 1.9 itself, retune or not: Lightning records only *added* param
+    groups, and Flash extends the first one, so the saved optimizer state no longer matches.)
+
+    The triggers are checked inside this strategy's ``on_train_epoch_start``, right after its own
+    unfreeze. Flash lists the strategy first, so a change that a *later* callback makes at the same
+    epoch start (rare with Flash) is seen at the next epoch start; use a plain
+    :class:`~retune.ScheduledBatchSizeFinder`, which runs after every callback, for that case.
     """
 
     def __init__(
@@ -155,6 +162,7 @@ class RetuneFlashStrategy(FlashBaseFinetuning):  # type: ignore[misc]
 
     @property
     def schedule(self) -> RetuneSchedule:
+        """The validated schedule the finder runs (search settings and triggers)."""
         return self.finder.schedule
 
     @property

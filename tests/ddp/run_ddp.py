@@ -1,0 +1,98 @@
+"""One DDP scenario on CPU (gloo, 2 processes); each rank writes what it ended with as JSON.
+
+Run by tests/test_ddp.py in a subprocess with a timeout, so a hang fails the test instead of
+hanging CI. Lightning's DDP launcher starts rank 1 by re-running this script.
+
+Scenarios:
+  capacity  rank 1 has a smaller memory capacity than rank 0 (a smaller GPU, or other tenants)
+  unfreeze  BackboneFinetuning unfreezes at epoch 1 under DDP
+  error     rank 1 raises a non-memory error inside a probe
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from retune import ScheduledBatchSizeFinder  # noqa: E402
+from tests.lightning_ns import callbacks, pl  # noqa: E402
+from tests.oracle import FineTuneModel, MemoryOracle  # noqa: E402
+
+CAPACITY = 2_000_000
+RANK1_CAPACITY = 1_500_000
+
+
+class RankModel(FineTuneModel):
+    """FineTuneModel whose memory capacity (and, in the error scenario, behaviour) depends on the rank."""
+
+    def __init__(self, scenario: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.scenario = scenario
+
+    def setup(self, stage: str) -> None:
+        if self.scenario == "capacity" and self.global_rank == 1:
+            self.oracle = MemoryOracle(capacity=RANK1_CAPACITY)
+
+    def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        if self.scenario == "error" and self.global_rank == 1 and batch[0].shape[0] >= 64:
+            raise ValueError("boom on rank 1")
+        return super().training_step(batch, batch_idx)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["capacity", "unfreeze", "error"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--without-retune", action="store_true", help="the same run without the finder")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    unfreeze = args.scenario == "unfreeze"
+    model = RankModel(args.scenario, batch_size=8, n=1024, head_only_optimizer=unfreeze)
+    schedule = "schedules/freeze_unfreeze.yaml" if unfreeze else {"triggers": [{"kind": "fit_start"}]}
+    finder = ScheduledBatchSizeFinder(schedule, verbose=False)
+    cbs: list[Any] = [] if args.without_retune else [finder]
+    if unfreeze:
+        cbs.append(callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1))
+    trainer = pl.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=3 if unfreeze else 2,
+        callbacks=cbs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model)
+
+    weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
+    result = {
+        "rank": trainer.global_rank,
+        "batch_size": finder.batch_size,
+        "model_batch_size": model.batch_size,
+        "history": [event.to_dict() for event in finder.history],
+        "epoch_true_max": model.epoch_true_max,
+        "weights_sha256": hashlib.sha256(weights).hexdigest(),
+        "global_step": trainer.global_step,
+        "batch_sizes_seen": model.train_batch_sizes,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,104 @@
+"""DDP on CPU: 2 processes with the gloo backend, each scenario in a subprocess with a timeout.
+
+A hang (ranks waiting on each other's collectives forever) fails the test at the timeout instead of
+hanging CI. The scenarios live in tests/ddp/run_ddp.py; all three start at once to share the cost
+of starting Python, torch and Lightning in six processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.lightning_ns import LEGACY
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "ddp" / "run_ddp.py"
+TIMEOUT_S = 300
+
+pytestmark = pytest.mark.skipif(LEGACY, reason="the DDP scenarios are written for the Lightning 2.x launcher")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs = {}
+    for scenario in ("capacity", "unfreeze", "error"):
+        out = tmp_path_factory.mktemp(scenario)
+        procs[scenario] = (
+            out,
+            subprocess.Popen(
+                [sys.executable, str(SCRIPT), scenario, str(out)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+        )
+    started = time.monotonic()
+    results: dict[str, Any] = {}
+    for scenario, (out, proc) in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+            output = f"TIMED OUT after {TIMEOUT_S}s (a hang)\n{output}"
+        ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+        results[scenario] = {"returncode": proc.returncode, "output": output, "ranks": ranks}
+    return results
+
+
+def _both(run: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    assert run["returncode"] == 0, run["output"][-4000:]
+    assert sorted(run["ranks"]) == [0, 1], run["output"][-4000:]
+    return run["ranks"][0], run["ranks"][1]
+
+
+def test_rank_dependent_capacity_agrees_on_the_smaller(runs: dict[str, Any]) -> None:
+    rank0, rank1 = _both(runs["capacity"])
+    smaller = min(rank0["epoch_true_max"][0], rank1["epoch_true_max"][0])
+    assert rank1["epoch_true_max"][0] < rank0["epoch_true_max"][0], "rank 1 must be the smaller one"
+    assert rank0["batch_size"] == rank1["batch_size"] == rank0["model_batch_size"] == rank1["model_batch_size"]
+    assert 0.9 * smaller <= rank0["batch_size"] <= smaller
+    # both ranks tried the same sizes and agreed on every outcome, including the sizes only rank 0 could fit
+    assert [e["trials"] for e in rank0["history"]] == [e["trials"] for e in rank1["history"]]
+    trials = rank0["history"][0]["trials"]
+    assert any(size > smaller and not fits for size, fits in trials), "a size only rank 0 fits must fail"
+
+
+def test_weights_identical_across_ranks_after_fit(runs: dict[str, Any]) -> None:
+    rank0, rank1 = _both(runs["capacity"])
+    assert rank0["weights_sha256"] == rank1["weights_sha256"]
+    assert rank0["global_step"] == rank1["global_step"] > 0
+
+
+def test_unfreeze_under_ddp(runs: dict[str, Any]) -> None:
+    rank0, rank1 = _both(runs["unfreeze"])
+    for rank in (rank0, rank1):
+        assert [e["trigger"] for e in rank["history"]] == ["fit_start", "trainable_params_changed"]
+    frozen0, unfrozen0 = (e["batch_size_after"] for e in rank0["history"])
+    frozen1, unfrozen1 = (e["batch_size_after"] for e in rank1["history"])
+    assert (frozen0, unfrozen0) == (frozen1, unfrozen1)
+    true_unfrozen = rank0["epoch_true_max"][1]
+    assert 0.9 * true_unfrozen <= unfrozen0 <= true_unfrozen
+    # 1024 samples over 2 ranks: the frozen search is capped by the 512 samples a rank sees
+    assert frozen0 <= 512
+    assert max(rank0["batch_sizes_seen"][-3:]) == unfrozen0  # the unfrozen epochs ran at the agreed size
+
+
+def test_a_non_memory_error_on_one_rank_ends_every_rank_with_the_error(runs: dict[str, Any]) -> None:
+    run = runs["error"]
+    assert "TIMED OUT" not in run["output"]
+    assert run["returncode"] != 0
+    assert "ValueError: boom on rank 1" in run["output"]  # the original error, from rank 1
+    assert "rank 1 failed during a batch-size probe at size 64" in run["output"]  # rank 0 names it
+    assert run["ranks"] == {}  # neither rank got past fit

@@ -1,0 +1,223 @@
+"""`retune demo`: the simulated device, the budget's sources, and one short run end to end.
+
+The run uses 2 pretraining epochs, 2 fine-tuning epochs (unfreeze at 1) and 200 training images
+per task. The simulated device makes the answer exact: the searches must land within the binsearch
+margin of its true maxima for the frozen and the unfrozen backbone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from matplotlib.image import imread
+from torch import nn
+
+from retune import ScheduleError, is_oom_error, load_schedule, report
+from retune.cli import main
+from retune.demo import (
+    BUILTIN_SCHEDULE,
+    DEFAULT_BUDGET,
+    FEATURES,
+    SCHEDULE_FILE,
+    DemoConfig,
+    DemoResult,
+    SimulatedDevice,
+    load_digit_splits,
+    make_backbone,
+    resolve_schedule,
+    run_demo,
+)
+
+MARGIN = 0.05
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoResult:
+    out = tmp_path_factory.mktemp("demo")
+    lines: list[str] = []
+    config = DemoConfig(epochs=2, unfreeze_at=1, pretrain_epochs=2, limit=200, out=out, progress_bar=False)
+    return run_demo(config, write=lines.append)
+
+
+# -- one short run -------------------------------------------------------------------------------
+
+
+def test_batch_size_changes_at_the_unfreeze(demo: DemoResult) -> None:
+    assert [e.trigger for e in demo.history] == ["fit_start", "trainable_params_changed"]
+    frozen, unfrozen = demo.history
+    assert demo.true_max is not None
+    assert demo.true_max["unfrozen"] < demo.true_max["frozen"] / 2, "the budget must make the change visible"
+    assert (frozen.epoch, unfrozen.epoch) == (0, 1)
+    assert frozen.max_fitting == demo.true_max["frozen"]
+    assert unfrozen.max_fitting == demo.true_max["unfrozen"]
+    assert frozen.batch_size_after == math.floor(demo.true_max["frozen"] * (1 - MARGIN))
+    assert unfrozen.batch_size_after == math.floor(demo.true_max["unfrozen"] * (1 - MARGIN))
+    assert unfrozen.direction == "down"
+    assert unfrozen.batch_size_before == frozen.batch_size_after
+
+
+def test_console_story(demo: DemoResult) -> None:
+    text = "\n".join(demo.lines)
+    assert f"memory budget: {report.format_bytes(demo.budget_bytes)} (the demo's default)" in text
+    assert "simulated device" in text
+    assert report.format_table(demo.history) in text
+    assert f"accuracy on digits 5-9 (179 held-out images): {demo.accuracy:.3f}" in text
+    assert demo.lines[-1].startswith("finished in ")
+    epoch_lines = [line for line in demo.lines if line.startswith("epoch ") and "val accuracy" in line]
+    assert [line.split(":")[0] for line in epoch_lines] == ["epoch 0", "epoch 1"]
+    assert 0.0 <= demo.accuracy <= 1.0
+    assert len(demo.epoch_accuracy) == 2
+
+
+def test_outputs(demo: DemoResult) -> None:
+    assert demo.outputs.png is not None
+    history = report.read_history(demo.outputs.json)
+    assert history.events == demo.history
+    assert history.budget_bytes == demo.budget_bytes
+    assert history.memory_label == "simulated step memory"
+    assert history.steps is not None and history.memory is not None
+    sizes = {size for _, size in history.steps}
+    assert sizes == {e.batch_size_after for e in demo.history}
+    assert max(m for _, m in history.memory) <= demo.budget_bytes
+    assert history.meta["source"] == "retune demo"
+    assert history.end_step == history.steps[-1][0] + 1
+    assert len(demo.outputs.csv.read_text().splitlines()) == 3
+    assert imread(demo.outputs.png).shape[:2] == report.PLOT_SIZE_PX[::-1]
+    metrics = next(Path(demo.outputs.json.parent, "logs").glob("version_*/metrics.csv"))
+    assert "val_acc" in metrics.read_text().splitlines()[0]
+    json.loads(demo.outputs.json.read_text())
+
+
+# -- the simulated device ------------------------------------------------------------------------
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(make_backbone(), nn.Linear(FEATURES, 5))
+
+
+def _freeze_backbone(model: nn.Sequential, frozen: bool) -> None:
+    for p in model[0].parameters():
+        p.requires_grad = not frozen
+
+
+def test_device_raises_the_real_oom_past_the_budget() -> None:
+    model = _model()
+    device = SimulatedDevice(model, torch.zeros(1, 1, 8, 8), budget_bytes=2 * 2**20)
+    largest = device.largest_batch(model)
+    assert largest > 0
+    device.check(largest, model)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        device.check(largest + 1, model)
+    assert is_oom_error(info.value)
+
+
+def test_unfreezing_costs_per_sample_and_fixed_memory() -> None:
+    model = _model()
+    device = SimulatedDevice(model, torch.zeros(1, 1, 8, 8), budget_bytes=2 * 2**20)
+    _freeze_backbone(model, True)
+    frozen = device.estimate(1, model)
+    _freeze_backbone(model, False)
+    unfrozen = device.estimate(1, model)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert frozen.weights == unfrozen.weights == 4 * n_params
+    # gradient + two Adam moments per trainable float32 parameter
+    assert unfrozen.optimizer_state == 3 * 4 * n_params
+    assert frozen.optimizer_state == 3 * 4 * sum(p.numel() for p in model[1].parameters())
+    assert unfrozen.per_sample > 2 * frozen.per_sample
+    # the layer sizes were measured from a real forward pass: conv1 writes 16 x 8 x 8 floats per sample
+    first = device.layers[0][0]
+    assert (first.in_bytes, first.out_bytes) == (64 * 4, 16 * 64 * 4)
+    assert any(fp.out_bytes == 0 for fp, _ in device.layers), "Flatten is a view and costs nothing"
+
+
+def test_device_that_does_not_enforce_only_estimates() -> None:
+    model = _model()
+    device = SimulatedDevice(model, torch.zeros(1, 1, 8, 8), budget_bytes=1, enforce=False)
+    assert device.check(10_000, model).total > 1
+
+
+# -- the schedule and its budget -----------------------------------------------------------------
+
+
+def test_builtin_schedule_is_the_ready_made_file() -> None:
+    assert load_schedule(BUILTIN_SCHEDULE) == load_schedule(SCHEDULE_FILE)
+
+
+def test_budget_sources(tmp_path: Path) -> None:
+    schedule, size, name, text = resolve_schedule(None, None)
+    assert size == 2 * 2**20 and DEFAULT_BUDGET == "2MiB"
+    assert name == "schedules/freeze_unfreeze.yaml"
+    assert text == "2.0 MiB (the demo's default)"
+    assert schedule.memory.budget is None  # the simulated device enforces it, not retune
+
+    _, size, _, text = resolve_schedule(None, "3MiB")
+    assert (size, text) == (3 * 2**20, "3.0 MiB (--budget)")
+
+    own = tmp_path / "s.yaml"
+    own.write_text("triggers: [{kind: fit_start}]\nmemory: {budget: 1500KiB}\n")
+    schedule, size, name, text = resolve_schedule(own, None)
+    assert (size, name, text) == (1500 * 1024, str(own), "1.5 MiB (the schedule's memory.budget)")
+    assert resolve_schedule(own, "4MiB")[1] == 4 * 2**20
+
+    schedule, size, _, _ = resolve_schedule(None, "3MiB", memory_mode="measured")
+    assert schedule.memory.budget == "3MiB" and size == 3 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [("lots", "is not a memory size"), ("0.5", "less than one byte"), ("2 parsecs", "is not a memory size")],
+)
+def test_bad_budget(budget: str, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message):
+        resolve_schedule(None, budget)
+
+
+def test_fraction_budget_in_the_schedule_is_refused(tmp_path: Path) -> None:
+    own = tmp_path / "s.yaml"
+    own.write_text("triggers: [{kind: fit_start}]\nmemory: {budget: 0.5}\n")
+    with pytest.raises(ScheduleError, match="absolute size"):
+        resolve_schedule(own, None)
+
+
+def test_splits_are_disjoint_tasks() -> None:
+    splits = load_digit_splits(seed=0, limit=50)
+    assert len(splits.pretrain_train) == len(splits.finetune_train) == 50
+    for part in (splits.pretrain_train, splits.pretrain_val, splits.finetune_train, splits.finetune_val):
+        x, y = part.tensors
+        assert x.shape[1:] == (1, 8, 8) and 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+        assert set(y.tolist()) <= set(range(5))
+    assert len(splits.finetune_val) == 179  # validation is never cut by `limit`
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_cli_help_states_the_real_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    defaults = DemoConfig()
+    assert f"(default: {defaults.epochs})" in text
+    assert f"(default: {defaults.unfreeze_at})" in text
+    assert f"(default: {defaults.pretrain_epochs})" in text
+    assert f"else {DEFAULT_BUDGET})" in text
+    assert f"./{defaults.out}" in text
+    assert f"(default: {defaults.seed})" in text
+
+
+def test_cli_bad_budget_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--budget", "lots"]) == 1
+    out, err = capsys.readouterr()
+    assert err.startswith("error: ") and "is not a memory size" in err
+
+
+def test_cli_rejects_zero_epochs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--epochs", "0"])
+    assert "must be at least 1" in capsys.readouterr().err
