@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH) -e ".[lightning,dev]"
+	$(BIN)/pip install --quiet $(TORCH) -e ".[lightning,fts,dev]"
 	touch $@
 
 run: $(BIN)/.installed

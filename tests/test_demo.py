@@ -189,7 +189,8 @@ def test_splits_are_disjoint_tasks() -> None:
     assert len(splits.pretrain_train) == len(splits.finetune_train) == 50
     for part in (splits.pretrain_train, splits.pretrain_val, splits.finetune_train, splits.finetune_val):
         x, y = part.tensors
-        assert x.shape[1:] == (1, 8, 8) and 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+        assert x.shape[1:] == (1, 8, 8)
+        assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
         assert set(y.tolist()) <= set(range(5))
     assert len(splits.finetune_val) == 179  # validation is never cut by `limit`
 
@@ -214,6 +215,7 @@ def test_cli_help_states_the_real_defaults(capsys: pytest.CaptureFixture[str]) -
 def test_cli_bad_budget_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--budget", "lots"]) == 1
     out, err = capsys.readouterr()
+    assert out == ""
     assert err.startswith("error: ") and "is not a memory size" in err
 
 

@@ -34,7 +34,7 @@ def test_plain_backbone_finetuning(tmp_path: Path, capsys: pytest.CaptureFixture
     example = _load("plain_backbone_finetuning")
     out = tmp_path / "out"
     result = example.main(
-        ["--epochs", "2", "--unfreeze-at", "1", "--samples", "512", "--budget", "1MiB", "--out", str(out), "--quiet"]
+        ["--epochs", "2", "--unfreeze-at", "1", "--samples", "256", "--budget", "800KiB", "--out", str(out), "--quiet"]
     )
     frozen, unfrozen = result.history
     assert (frozen.trigger, unfrozen.trigger) == ("fit_start", "trainable_params_changed")

@@ -105,10 +105,11 @@ class CapacityOracle(TorchDispatchMode):  # type: ignore[misc]
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"
         }
         out = func(*args, **kwargs)
-        allocated = 0
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-                allocated += self._track(leaf, inputs)
+        allocated = sum(
+            self._track(leaf, inputs)
+            for leaf in tree_leaves(out)
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"
+        )
         if allocated and self.live_bytes > self.capacity:
             self.ooms += 1
             live = self.live_bytes - allocated

@@ -21,11 +21,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from retune import ScheduledBatchSizeFinder  # noqa: E402
-from tests.lightning_ns import callbacks, pl  # noqa: E402
-from tests.oracle import FineTuneModel, MemoryOracle  # noqa: E402
+from retune import ScheduledBatchSizeFinder
+from tests.lightning_ns import callbacks, pl
+from tests.oracle import FineTuneModel, MemoryOracle
 
 CAPACITY = 2_000_000
 RANK1_CAPACITY = 1_500_000
