@@ -65,27 +65,42 @@ def lr_factor(policy: str, old_effective: int, new_effective: int) -> float:
 
 # Keys in a param group that hold learning rates (OneCycleLR and CyclicLR keep theirs in the group).
 _GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")
-# Scheduler attributes that hold learning rates, as lists per group or a single float.
-_SCHEDULER_LR_ATTRS = ("base_lrs", "_last_lr", "min_lrs", "max_lrs", "eta_min")
+# Attributes that hold learning rates, as lists per group or a single value: LR schedulers' (ReduceLROnPlateau
+# rebuilds ``min_lrs`` from ``default_min_lr`` when a group is added) and BaseFinetuning's, which sets the
+# backbone group's rate from ``previous_backbone_lr`` at every epoch after the unfreeze.
+_LR_ATTRS = ("base_lrs", "_last_lr", "min_lrs", "default_min_lr", "max_lrs", "eta_min", "previous_backbone_lr")
 
 
-def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], schedulers: Iterable[Any], factor: float) -> None:
-    """Multiply every learning rate the optimizers and their schedulers hold by ``factor``.
+def _is_rate(value: Any) -> bool:
+    return isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool)
+
+
+def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], holders: Iterable[Any], factor: float) -> None:
+    """Multiply every learning rate the optimizers and ``holders`` keep by ``factor``.
 
     Scaling only ``group["lr"]`` would be undone at the scheduler's next step (it recomputes from
     ``base_lrs``), so the schedulers' stored rates move too and the schedule keeps its shape.
+    ``holders`` are LR schedulers (nested ones in ``SequentialLR``/``ChainedScheduler`` included) and
+    fine-tuning callbacks that remember a rate. Tensor rates are replaced by scaled tensors.
     """
     if factor == 1.0:
         return
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for key in _GROUP_LR_KEYS:
-                if isinstance(group.get(key), (int, float)) and not isinstance(group.get(key), bool):
+                if _is_rate(group.get(key)):
                     group[key] = group[key] * factor
-    for scheduler in schedulers:
-        for attr in _SCHEDULER_LR_ATTRS:
-            value = getattr(scheduler, attr, None)
-            if isinstance(value, list) and all(isinstance(v, (int, float)) for v in value):
-                setattr(scheduler, attr, [v * factor for v in value])
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                setattr(scheduler, attr, value * factor)
+    seen: set[int] = set()
+    pending = list(holders)
+    while pending:
+        holder = pending.pop()
+        if id(holder) in seen:
+            continue
+        seen.add(id(holder))
+        pending.extend(getattr(holder, "_schedulers", []))  # SequentialLR, ChainedScheduler
+        for attr in _LR_ATTRS:
+            value = getattr(holder, attr, None)
+            if isinstance(value, list) and value and all(_is_rate(v) for v in value):
+                setattr(holder, attr, [v * factor for v in value])
+            elif value is not None and _is_rate(value):
+                setattr(holder, attr, value * factor)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from retune import compat
@@ -21,8 +22,8 @@ from retune.events import RetuneEvent, Trial
 from retune.loading import ScheduleSource, load_schedule
 from retune.memory import device_total_bytes
 from retune.probe import Prober
-from retune.search import MemoryModel, Mode, SearchResult, plan_search, run_model_search, run_search
-from retune.triggers import Firing, TrainingView, Trigger, build_triggers, evaluate
+from retune.search import Direction, MemoryModel, Mode, SearchResult, plan_search, run_model_search, run_search
+from retune.triggers import TrainingView, Trigger, build_triggers, evaluate
 
 log = logging.getLogger("retune")
 
@@ -60,38 +61,52 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self.schedule = load_schedule(schedule)
         self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
         self.verbose = verbose
-        self.batch_size: int | None = None
         self.history: list[RetuneEvent] = []
-        self._last: SearchResult | None = None
-        self._memory_model: MemoryModel | None = None
+        self._stages: dict[str, _StageState] = {}
         self._reference_effective: int | None = None
         self._accumulate: int | None = None
         self._fit_starting = False
         self._restored = False
         self._disabled = False
+        self._is_global_zero = True
+
+    @property
+    def batch_size(self) -> int | None:
+        """The train batch size retune last applied (None before the first search)."""
+        return self._stage("train").size
+
+    @property
+    def batch_sizes(self) -> dict[str, int]:
+        """The last size applied per stage, e.g. ``{"train": 76, "val": 1024}``."""
+        return {stage: state.size for stage, state in self._stages.items() if state.size is not None}
 
     # -- Lightning hooks -----------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage != "fit":
-            return
+        self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
         self._disabled = bool(trainer.fast_dev_run)
         if self._disabled:
             self._say("fast_dev_run is on: skipping every batch-size search in this run", warn=True)
             return
-        compat.check_train_source(trainer)
         compat.check_strategy(trainer)
+        stages = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[stage]
+        for tuned in (s for s in stages if s in self.schedule.stages):
+            if tuned == "val" and stage == "fit" and not self._separate_val(trainer, pl_module):
+                continue
+            compat.check_source(trainer, tuned)
+            name = self._attr(trainer, pl_module, tuned)
+            if not compat.has_batch_attr(trainer, pl_module, name):
+                raise RetuneError(
+                    f"batch_arg_name {name!r} not found on the model, model.hparams, the datamodule or "
+                    f"datamodule.hparams; set `batch_arg_name` in the schedule to the attribute your "
+                    f"{compat.dataloader_hook(tuned)}() reads"
+                )
+        if stage != "fit":
+            return
         if self.schedule.apply.accumulate == "keep_effective" and compat.accumulation_is_scheduled(trainer):
             raise RetuneError(
                 "apply.accumulate: keep_effective sets gradient accumulation itself and cannot share it with a "
                 "GradientAccumulationScheduler (or a dict `accumulate_grad_batches`); remove one of the two"
-            )
-        name = self.schedule.batch_arg_name
-        if not compat.has_batch_attr(trainer, pl_module, name):
-            raise RetuneError(
-                f"batch_arg_name {name!r} not found on the model, model.hparams, the datamodule or "
-                f"datamodule.hparams; set `batch_arg_name` in the schedule to the attribute your "
-                f"train_dataloader() reads"
             )
         self._move_last(trainer)
 
@@ -99,8 +114,10 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         if self._disabled:
             return
         self._move_last(trainer)  # again: another callback's setup may have rebuilt the list
-        if self._restored and self.batch_size is not None:
-            compat.set_batch_attr(trainer, pl_module, self.schedule.batch_arg_name, self.batch_size)
+        if self._restored and self.batch_sizes:
+            for stage, size in self.batch_sizes.items():
+                if stage in ("train", "val"):
+                    compat.set_batch_attr(trainer, pl_module, self._attr(trainer, pl_module, stage), size)
             if self._accumulate is not None:
                 compat.set_accumulation(trainer, self._accumulate)
             self._fit_starting = False
@@ -116,20 +133,28 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
         firing = compat.broadcast_object(trainer, evaluate(self.triggers, view))
         if firing is not None:
-            self._search(trainer, pl_module, firing, cold="fit_start" in firing.kinds)
+            cold = "fit_start" in firing.kinds
+            if "train" in self.schedule.stages:
+                self._search(trainer, pl_module, "train", firing.label, firing.direction, cold)
+            if "val" in self.schedule.stages and self._separate_val(trainer, pl_module):
+                self._search(trainer, pl_module, "val", firing.label, "unknown", cold)
         if self._accumulate is not None:
             compat.set_accumulation(trainer, self._accumulate)  # Lightning 1.9 resets it every epoch
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if compat.trainer_fn(trainer) == "validate" and not trainer.sanity_checking:
+            self._eval_start(trainer, pl_module, "val", "validate_start")
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        self._eval_start(trainer, pl_module, "test", "test_start")
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        self._eval_start(trainer, pl_module, "predict", "predict_start")
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": 1,
-            "batch_size": self.batch_size,
-            "last": None
-            if self._last is None
-            else {"max_fitting": self._last.max_fitting, "min_failing": self._last.min_failing},
-            "memory_model": None
-            if self._memory_model is None
-            else {"fixed": self._memory_model.fixed, "per_sample": self._memory_model.per_sample},
+            "stages": {stage: state.to_dict() for stage, state in self._stages.items()},
             "reference_effective": self._reference_effective,
             "accumulate": self._accumulate,
             "history": [event.to_dict() for event in self.history],
@@ -137,11 +162,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.batch_size = state_dict.get("batch_size")
-        last = state_dict.get("last")
-        self._last = None if last is None else SearchResult(self.batch_size, last["max_fitting"], last["min_failing"])
-        model = state_dict.get("memory_model")
-        self._memory_model = None if model is None else MemoryModel(model["fixed"], model["per_sample"])
+        self._stages = {stage: _StageState.from_dict(s) for stage, s in state_dict.get("stages", {}).items()}
         self._reference_effective = state_dict.get("reference_effective")
         self._accumulate = state_dict.get("accumulate")
         self.history = [RetuneEvent.from_dict(e) for e in state_dict.get("history", [])]
@@ -152,15 +173,21 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
 
     # -- the search ----------------------------------------------------------------------------
 
-    def _search(self, trainer: Any, pl_module: Any, firing: Firing, cold: bool) -> None:
+    def _eval_start(self, trainer: Any, pl_module: Any, stage: str, label: str) -> None:
+        if self._disabled or stage not in self.schedule.stages:
+            return
+        self._search(trainer, pl_module, stage, label, "unknown", cold=self._stage(stage).last is None)
+
+    def _search(self, trainer: Any, pl_module: Any, stage: str, label: str, direction: Direction, cold: bool) -> None:
         config = self.schedule.search
-        name = self.schedule.batch_arg_name
+        name = self._attr(trainer, pl_module, stage)
+        state = self._stage(stage)
         before = compat.get_batch_attr(trainer, pl_module, name)
         started = time.perf_counter()
         device = pl_module.device
         budget = self.schedule.memory.budget_bytes(device_total_bytes(device))
         mode, limit, note = self._mode_and_limit(device, budget)
-        loader = compat.request_train_dataloader(trainer)
+        loader = compat.request_dataloader(trainer, stage)
         plan = plan_search(
             mode=mode,
             init_val=config.init_val,
@@ -169,18 +196,27 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             max_val=config.max_val,
             dataset_len=compat.dataset_length(loader, trainer.world_size),
             warm_start=config.warm_start,
-            previous=None if cold else self._last,
-            direction=firing.direction,
+            previous=None if cold else state.last,
+            direction=direction,
         )
         del loader
         epoch = trainer.current_epoch
-        self._say(f"epoch {epoch}: {firing.label} fired, searching the train batch size (from {plan.start})")
-        prober = Prober(trainer, pl_module, name, config.steps_per_trial, budget, on_trial=self._report_trial)
+        where = f"epoch {epoch}" if stage in ("train", "val") and compat.trainer_fn(trainer) == "fit" else label
+        self._say(f"{where}: {label} fired, searching the {stage} batch size (from {plan.start})")
+        prober = Prober(
+            trainer,
+            pl_module,
+            name,
+            config.steps_per_trial,
+            budget,
+            on_trial=self._report_trial,
+            stage=stage,
+            track_memory=mode == "model" or device.type == "cuda",
+        )
         try:
             with prober.session():
                 if mode == "model" and limit is not None:
-                    prior = None if cold else self._memory_model
-                    result = run_model_search(plan, prober.measure, limit, prior)
+                    result = run_model_search(plan, prober.measure, limit, None if cold else state.model)
                 else:
                     result = run_search(plan, prober.fits)
         except BaseException:
@@ -190,25 +226,26 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             compat.set_batch_attr(trainer, pl_module, name, before)
             smallest = min(t.batch_size for t in result.trials)
             raise RetuneError(
-                f"no batch size fits in memory after trigger {firing.label!r} at epoch {epoch}: the smallest size "
-                f"tried, {smallest}, ran out of memory ({len(result.trials)} trials). Free memory (freeze more "
-                f"layers, lower precision, shorter inputs) or raise search.max_trials if it stopped early."
+                f"no {stage} batch size fits in memory after trigger {label!r} at epoch {epoch}: the smallest "
+                f"size tried, {smallest}, ran out of memory ({len(result.trials)} trials). Free memory (freeze "
+                f"more layers, lower precision, shorter inputs) or raise search.max_trials if it stopped early."
             )
         compat.set_batch_attr(trainer, pl_module, name, result.size)
         if result.size != before:
-            compat.reload_train_dataloader(trainer)
-            compat.refresh_progress_bar(trainer)
-        accumulate, factor = self._apply_policies(trainer, before, result.size)
+            compat.reload_dataloader(trainer, stage)
+            if stage == "train":
+                compat.refresh_progress_bar(trainer)
+        accumulate, factor = self._apply_policies(trainer, before, result.size) if stage == "train" else (1, 1.0)
         event = RetuneEvent(
             epoch=epoch,
             global_step=trainer.global_step,
-            trigger=firing.label,
-            stage="train",
+            trigger=label,
+            stage=stage,
             batch_size_before=before,
             batch_size_after=result.size,
             trials=list(result.trials),
             duration_s=time.perf_counter() - started,
-            direction="cold" if cold else firing.direction,
+            direction="cold" if cold else direction,
             max_fitting=result.max_fitting,
             min_failing=result.min_failing,
             peak_bytes=list(prober.peaks),
@@ -220,13 +257,12 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             note=note,
         )
         self.history.append(event)
-        self.batch_size = result.size
-        self._last = result
+        state.size, state.last = result.size, result
         if result.model is not None:
-            self._memory_model = result.model
+            state.model = result.model
         self._say(
-            f"epoch {epoch}: batch size {before} -> {result.size} ({len(result.trials)} trials, "
-            f"{event.duration_s:.2f}s, trigger {firing.label})"
+            f"{where}: {stage} batch size {before} -> {result.size} ({len(result.trials)} trials, "
+            f"{event.duration_s:.2f}s, trigger {label})"
         )
 
     def _apply_policies(self, trainer: Any, before: int, after: int) -> tuple[int, float]:
@@ -248,8 +284,11 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 accumulate = plan.accumulate
             self._accumulate = accumulate
             compat.set_accumulation(trainer, accumulate)
-        factor = lr_factor(policy.lr_scaling, before * accumulate_before, after * accumulate)
-        scale_learning_rates(trainer.optimizers, compat.lr_schedulers(trainer), factor)
+        # the learning rates you configured belong to the first tuned size (the model's starting batch size
+        # is often a placeholder): scaling starts from there, like keep_effective's target
+        first_tune = self._stage("train").last is None
+        factor = 1.0 if first_tune else lr_factor(policy.lr_scaling, before * accumulate_before, after * accumulate)
+        scale_learning_rates(trainer.optimizers, compat.lr_holders(trainer), factor)
         return accumulate, factor
 
     def _mode_and_limit(self, device: Any, budget: int | None) -> tuple[Mode, int | None, str]:
@@ -269,6 +308,30 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         return "binsearch", None, f"model mode needs measured peaks and a limit ({reason}); fell back to binsearch"
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _stage(self, stage: str) -> _StageState:
+        return self._stages.setdefault(stage, _StageState())
+
+    def _attr(self, trainer: Any, pl_module: Any, stage: str) -> str:
+        """The stage's own attribute (``val_batch_size``...) when the model or datamodule has it, else
+        ``batch_arg_name``: the per-stage API proposed when Lightning's finder was designed."""
+        own = getattr(self.schedule.stage_batch_arg_names, stage)
+        return own if compat.has_batch_attr(trainer, pl_module, own) else self.schedule.batch_arg_name
+
+    def _separate_val(self, trainer: Any, pl_module: Any) -> bool:
+        """Validation inside fit is tuned only through its own attribute: sharing ``batch_size`` with
+        training would make the val search overwrite the train size."""
+        if self._attr(trainer, pl_module, "val") != self._attr(trainer, pl_module, "train"):
+            return True
+        if not getattr(self, "_warned_shared_val", False):
+            self._warned_shared_val = True
+            own = self.schedule.stage_batch_arg_names.val
+            self._say(
+                f"stages lists val, but validation and training share `{self.schedule.batch_arg_name}`; give "
+                f"validation its own `{own}` to tune it during fit (skipped)",
+                warn=True,
+            )
+        return False
 
     def _view(self, trainer: Any, pl_module: Any) -> TrainingView:
         names = {id(p): name for name, p in pl_module.named_parameters()}
@@ -304,8 +367,33 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             log.warning(message)
         else:
             log.info(message)
-        if self.verbose or warn:
-            _rank_zero_print(f"[retune] {message}")
+        if (self.verbose or warn) and self._is_global_zero:
+            _print(f"[retune] {message}")
+
+
+@dataclass
+class _StageState:
+    """What the last search of one stage found: applied size, bracket for a warm start, memory line."""
+
+    size: int | None = None
+    last: SearchResult | None = None
+    model: MemoryModel | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "size": self.size,
+            "max_fitting": None if self.last is None else self.last.max_fitting,
+            "min_failing": None if self.last is None else self.last.min_failing,
+            "memory_model": None if self.model is None else [self.model.fixed, self.model.per_sample],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> _StageState:
+        size = data.get("size")
+        has_last = data.get("max_fitting") is not None or data.get("min_failing") is not None
+        last = SearchResult(size, data.get("max_fitting"), data.get("min_failing")) if has_last else None
+        line = data.get("memory_model")
+        return cls(size, last, None if line is None else MemoryModel(line[0], line[1]))
 
 
 def _trigger_state(trigger: Trigger) -> dict[str, Any] | None:
@@ -313,12 +401,10 @@ def _trigger_state(trigger: Trigger) -> dict[str, Any] | None:
     return state() if callable(state) else None
 
 
-def _rank_zero_print(message: str) -> None:
-    import os
+def _print(message: str) -> None:
+    """Print above a TQDM progress bar instead of through it."""
     import sys
 
-    if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) != 0:
-        return
     try:
         from tqdm import tqdm
 

@@ -107,38 +107,90 @@ def set_batch_attr(trainer: Any, pl_module: Any, name: str, value: int) -> None:
 # -- data --------------------------------------------------------------------------------------
 
 
-def _train_source(trainer: Any) -> Any:
+_HOOKS = {
+    "train": "train_dataloader",
+    "val": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
+_FIT_ARG = {"train": "train_dataloaders", "val": "val_dataloaders", "test": "dataloaders", "predict": "dataloaders"}
+
+
+def _eval_loop(trainer: Any, stage: str) -> Any:
+    """The 2.x loop that runs ``stage`` now: validation inside fit, or the validate/test/predict loop."""
+    if stage == "val":
+        return trainer.validate_loop if _fn(trainer) == "validate" else trainer.fit_loop.epoch_loop.val_loop
+    return trainer.test_loop if stage == "test" else trainer.predict_loop
+
+
+def trainer_fn(trainer: Any) -> str:
+    """``fit``, ``validate``, ``test`` or ``predict``: what the trainer is running."""
+    fn = trainer.state.fn
+    return str(getattr(fn, "value", fn))
+
+
+_fn = trainer_fn
+
+
+def dataloader_hook(stage: str) -> str:
+    return _HOOKS[stage]
+
+
+def _source(trainer: Any, stage: str) -> Any:
     if is_legacy(trainer):
-        return trainer._data_connector._train_dataloader_source
-    return trainer.fit_loop._data_source
+        return getattr(trainer._data_connector, f"_{'train' if stage == 'train' else stage}_dataloader_source")
+    if stage == "train":
+        return trainer.fit_loop._data_source
+    return _eval_loop(trainer, stage)._data_source
 
 
-def check_train_source(trainer: Any) -> None:
-    """Refuse dataloaders passed straight to ``fit()``: their batch size cannot be changed."""
-    if not _train_source(trainer).is_module():
+def check_source(trainer: Any, stage: str) -> None:
+    """Refuse dataloaders passed straight to ``fit()``/``test()``: their batch size cannot be changed."""
+    if not _source(trainer, stage).is_module():
+        hook = _HOOKS[stage]
         raise RetuneError(
-            "ScheduledBatchSizeFinder needs to rebuild the train dataloader at new batch sizes, so the "
-            "dataloader must come from `train_dataloader()` of your LightningModule or LightningDataModule, "
-            "not be passed to `trainer.fit(train_dataloaders=...)`."
+            f"ScheduledBatchSizeFinder needs to rebuild the {stage} dataloader at new batch sizes, so it must "
+            f"come from `{hook}()` of your LightningModule or LightningDataModule, not be passed to the trainer "
+            f"(`{_FIT_ARG[stage]}=...`)."
         )
 
 
-def request_train_dataloader(trainer: Any) -> Any:
-    """Call the user's ``train_dataloader`` hook (at whatever batch size the attribute now holds)."""
-    source = _train_source(trainer)
+def request_dataloader(trainer: Any, stage: str) -> Any:
+    """Call the user's ``<stage>_dataloader`` hook (at whatever batch size the attribute now holds)."""
+    source = _source(trainer, stage)
     if is_legacy(trainer):
         return source.dataloader()
     return _module(namespace_of(trainer) + ".trainer.connectors.data_connector")._request_dataloader(source)
 
 
-def reload_train_dataloader(trainer: Any) -> None:
-    """Make the epoch that is about to start iterate a dataloader built at the current batch size."""
+def reload_dataloader(trainer: Any, stage: str) -> None:
+    """Make the loop that is about to run ``stage`` iterate a dataloader built at the current batch size."""
     if is_legacy(trainer):
-        trainer.reset_train_dataloader(trainer.lightning_module)
+        getattr(trainer, f"reset_{stage}_dataloader")(trainer.lightning_module)
         return
-    loop = trainer.fit_loop
+    if stage == "train":
+        loop = trainer.fit_loop
+        loop._combined_loader = None
+        loop.setup_data()
+        return
+    loop = _eval_loop(trainer, stage)
     loop._combined_loader = None
-    loop.setup_data()
+    if _fn(trainer) == "fit":
+        return  # validation inside fit rebuilds it when it next runs
+    loop.setup_data()  # validate/test/predict: the loop is starting now, as in Lightning's own finder
+    loop.reset()
+
+
+def request_train_dataloader(trainer: Any) -> Any:
+    return request_dataloader(trainer, "train")
+
+
+def reload_train_dataloader(trainer: Any) -> None:
+    reload_dataloader(trainer, "train")
+
+
+def check_train_source(trainer: Any) -> None:
+    check_source(trainer, "train")
 
 
 def num_training_batches(trainer: Any) -> float:
@@ -289,6 +341,26 @@ def _forward(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> Any:
     return strategy.training_step(batch, batch_idx)
 
 
+_EVAL_STEPS = {"val": ("validation_step", "val_step_context"), "test": ("test_step", "test_step_context")}
+_EVAL_STEPS["predict"] = ("predict_step", "predict_step_context")
+
+
+def run_step(trainer: Any, pl_module: Any, stage: str, batch: Any, batch_idx: int) -> None:
+    """One real step of ``stage``: a training step, or an evaluation step as Lightning runs it (eval
+    mode is set by the caller; no gradients, under ``inference_mode`` when the trainer uses it)."""
+    if stage == "train":
+        training_step(trainer, pl_module, batch, batch_idx)
+        return
+    step_name, context_name = _EVAL_STEPS[stage]
+    precision = trainer.strategy.precision_plugin
+    use_inference_mode = (
+        trainer._inference_mode if is_legacy(trainer) else getattr(_eval_loop(trainer, stage), "inference_mode", True)
+    )
+    no_grad = torch.inference_mode() if use_inference_mode else torch.no_grad()
+    with no_grad, getattr(precision, context_name)():
+        getattr(pl_module, step_name)(batch, batch_idx)
+
+
 def training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
     """One real training step: forward, backward and optimizer step under the trainer's strategy and
     precision (autocast, grad scaler), without the loop's bookkeeping. Under DDP the step runs on the
@@ -331,33 +403,46 @@ def _training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> 
         strategy.optimizer_step(optimizer, closure, model=pl_module)
 
 
+def _results_owner(trainer: Any) -> Any | None:
+    """The loop object holding the ``_results`` collection ``self.log`` writes to right now."""
+    loop = trainer._active_loop
+    while loop is not None and "_results" not in vars(loop):
+        loop = getattr(loop, "epoch_loop", None)
+    return loop
+
+
+_FX_NAMES = {"train": "training_step", "val": "validation_step", "test": "test_step", "predict": "predict_step"}
+
+
 @contextmanager
-def hooks_isolated(trainer: Any, pl_module: Any) -> Iterator[None]:
+def hooks_isolated(trainer: Any, pl_module: Any, stage: str = "train") -> Iterator[None]:
     """Hide probe steps from callbacks, loggers and logged metrics.
 
     Callbacks and loggers are swapped for none / a dummy logger; ``self.log`` calls go to a throwaway
     result collection. Everything is put back even when the probe raises.
     """
     ns = namespace_of(trainer)
-    epoch_loop = trainer.fit_loop.epoch_loop
+    owner = _results_owner(trainer)
     saved_callbacks = trainer.callbacks
     saved_loggers = list(trainer.loggers)
-    saved_results = epoch_loop._results
+    saved_results = None if owner is None else owner._results
     saved_fx = pl_module._current_fx_name
     result_cls = _module(ns + ".trainer.connectors.logger_connector.result")._ResultCollection
     dummy = _module(ns + ".loggers.logger").DummyLogger
     try:
         trainer.callbacks = []
         trainer.loggers = [dummy()] if saved_loggers else []
-        epoch_loop._results = result_cls(training=True)
-        if is_legacy(trainer):
-            epoch_loop._results.device = saved_results.device
-        pl_module._current_fx_name = "training_step"
+        if owner is not None and saved_results is not None:
+            owner._results = result_cls(training=stage == "train")
+            if is_legacy(trainer):
+                owner._results.device = saved_results.device
+        pl_module._current_fx_name = _FX_NAMES[stage]
         yield
     finally:
         trainer.callbacks = saved_callbacks
         trainer.loggers = saved_loggers
-        epoch_loop._results = saved_results
+        if owner is not None and saved_results is not None:
+            owner._results = saved_results
         pl_module._current_fx_name = saved_fx
 
 
@@ -397,6 +482,13 @@ def lr_schedulers(trainer: Any) -> list[Any]:
     return [config.scheduler for config in getattr(trainer, "lr_scheduler_configs", [])]
 
 
+def lr_holders(trainer: Any) -> list[Any]:
+    """Objects that keep learning rates besides the optimizers: LR schedulers, and fine-tuning callbacks
+    (``BaseFinetuning`` remembers the backbone's rate and re-applies it every epoch)."""
+    callbacks = [cb for cb in trainer.callbacks if hasattr(cb, "previous_backbone_lr")]
+    return [*lr_schedulers(trainer), *callbacks]
+
+
 def grad_scaler(trainer: Any) -> Any | None:
     return getattr(trainer.precision_plugin, "scaler", None)
 
@@ -426,7 +518,11 @@ def set_accumulation(trainer: Any, value: int) -> None:
 
 def accumulation_is_scheduled(trainer: Any) -> bool:
     """True when a ``GradientAccumulationScheduler`` changes accumulation by epoch."""
-    schedulers = [cb for cb in trainer.callbacks if type(cb).__name__ == "GradientAccumulationScheduler"]
+    schedulers = [
+        cb
+        for cb in trainer.callbacks
+        if any(cls.__name__ == "GradientAccumulationScheduler" for cls in type(cb).__mro__)
+    ]
     if is_legacy(trainer):
         schedulers.append(trainer.accumulation_scheduler)
     for scheduler in schedulers:

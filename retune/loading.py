@@ -26,15 +26,6 @@ ScheduleSource = Union[str, Path, Mapping[str, Any], RetuneSchedule]
 SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml"}
 
 
-# Features whose format is settled but whose behaviour is not built yet. Loading a schedule that
-# asks for one fails loudly: accepting the key and ignoring it would be silent data loss.
-def _not_yet_supported(schedule: RetuneSchedule) -> list[FieldProblem]:
-    problems = []
-    if schedule.stages != ("train",):
-        problems.append(FieldProblem("stages", f"{list(schedule.stages)}: only ['train'] is available yet"))
-    return problems
-
-
 def load_schedule(source: ScheduleSource) -> RetuneSchedule:
     """Return a validated, immutable schedule with defaults filled in.
 
@@ -47,7 +38,6 @@ def load_schedule(source: ScheduleSource) -> RetuneSchedule:
             allowed, for any problem from a missing file to an out-of-range number.
     """
     if isinstance(source, RetuneSchedule):
-        _check_supported(source, "<schedule>")
         return source
     if isinstance(source, Mapping):
         return validate_data(dict(source), "<dict>")
@@ -88,14 +78,7 @@ def validate_data(data: dict[str, Any], source: str) -> RetuneSchedule:
         schedule = RetuneSchedule.model_validate(data)
     except ValidationError as exc:
         raise ScheduleError(source, [_problem(err) for err in exc.errors()]) from None
-    _check_supported(schedule, source)
     return schedule
-
-
-def _check_supported(schedule: RetuneSchedule, source: str) -> None:
-    problems = _not_yet_supported(schedule)
-    if problems:
-        raise ScheduleError(source, problems)
 
 
 # -- parsing -----------------------------------------------------------------------------------

@@ -92,6 +92,16 @@ def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Opt
     return sum(seen.values())
 
 
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the distinct tensor storages in a (nested) batch."""
+    seen: dict[int, int] = {}
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            storage = leaf.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
 def device_total_bytes(device: torch.device) -> int | None:
     """Total memory of the device a budget fraction refers to (physical RAM for the CPU)."""
     if device.type == "cuda":

@@ -18,7 +18,7 @@ import torch
 
 from retune import compat
 from retune.errors import RetuneError
-from retune.memory import measure_peak
+from retune.memory import measure_peak, tensor_bytes
 from retune.oom import is_oom_error
 from retune.snapshot import TrainingSnapshot, sampler_generators
 
@@ -39,7 +39,11 @@ def _free_memory(collect: bool) -> None:
 
 
 class Prober:
-    """Runs trials for one search. Use as ``with Prober(...).session() as fits: ...``."""
+    """Runs trials for one search. Use as ``with Prober(...).session(): prober.measure(size)``.
+
+    ``stage`` is ``train`` (forward, backward and optimizer step) or an evaluation stage (``val``,
+    ``test``, ``predict``: the module's ``*_step`` in eval mode without gradients, as Lightning runs it).
+    """
 
     def __init__(
         self,
@@ -49,6 +53,8 @@ class Prober:
         steps_per_trial: int,
         budget_bytes: int | None = None,
         on_trial: Callable[[int, bool, int | None], None] | None = None,
+        stage: str = "train",
+        track_memory: bool = True,
     ) -> None:
         self.trainer = trainer
         self.pl_module = pl_module
@@ -56,6 +62,8 @@ class Prober:
         self.steps_per_trial = steps_per_trial
         self.budget_bytes = budget_bytes
         self.on_trial = on_trial
+        self.stage = stage
+        self.track_memory = track_memory or budget_bytes is not None
         self.peaks: list[int | None] = []
         """Measured peak of each trial, in order (None where no statistic exists or the trial hit a real OOM)."""
         self._snapshot: TrainingSnapshot | None = None
@@ -64,15 +72,17 @@ class Prober:
     def session(self) -> Iterator[Callable[[int], bool]]:
         """Snapshot the training state, yield ``fits(size)``, and always restore on the way out."""
         trainer = self.trainer
-        stateful: list[Any] = [*compat.lr_schedulers(trainer), *compat.loop_progress(trainer)]
+        training = self.stage == "train"
+        stateful: list[Any] = [*compat.lr_schedulers(trainer), *compat.loop_progress(trainer)] if training else []
         scaler = compat.grad_scaler(trainer)
-        if scaler is not None:
+        if scaler is not None and training:
             stateful.append(scaler)
         self._snapshot = TrainingSnapshot.capture(
             self.pl_module,
-            optimizers=list(trainer.optimizers),
+            optimizers=list(trainer.optimizers) if training else [],
             stateful=stateful,
-            counters=compat.loop_counters(trainer),
+            counters=compat.loop_counters(trainer) if training else [],
+            include_params=training,
         )
         try:
             yield self.fits
@@ -121,39 +131,58 @@ class Prober:
         assert self._snapshot is not None, "measure() is only valid inside session()"
         compat.set_batch_attr(self.trainer, self.pl_module, self.batch_arg_name, size)
         generators: list[tuple[torch.Generator, torch.Tensor]] = []
-        status, error = "fits", None
-        optimizers = list(self.trainer.optimizers)
-        reading = None
+        status, error, peak = "fits", None, None
         try:
-            loader = compat.request_train_dataloader(self.trainer)
+            loader = compat.request_dataloader(self.trainer, self.stage)
             generators = [(g, g.get_state()) for g in sampler_generators(loader)]
-            with (
-                compat.hooks_isolated(self.trainer, self.pl_module),
-                measure_peak(self.pl_module.device, self.pl_module, optimizers) as reading,
-            ):
-                self._run_steps(loader)
+            with compat.hooks_isolated(self.trainer, self.pl_module, self.stage):
+                peak = self._run_steps(loader)
         except BaseException as exc:
             if is_oom_error(exc):
                 status = "oom"
             else:
                 status, error = "error", exc
         finally:
-            for optimizer in self.trainer.optimizers:
-                optimizer.zero_grad(set_to_none=True)
+            if self.stage == "train":
+                for optimizer in self.trainer.optimizers:
+                    optimizer.zero_grad(set_to_none=True)
             loader = None
             _free_memory(collect=status == "oom")
             self._snapshot.restore()
             for generator, state in generators:
                 generator.set_state(state)
-        peak = reading.peak_bytes if (status == "fits" and reading is not None) else None
-        return status, peak, error
+        return status, (peak if status == "fits" else None), error
 
-    def _run_steps(self, loader: Any) -> None:
+    def _run_steps(self, loader: Any) -> int | None:
+        """Run the steps; return the largest step peak (None when not tracked or not measurable).
+
+        Only the step is measured, from the device transfer on: the dataloader's own work (collate,
+        per-sample conversion) is host-side and, under the CPU tracker, slow to trace. On CPU the
+        batch the loader produced is added to the step's peak, since there it is the step's memory.
+        """
         batches = compat.iterate_batches(loader)  # a generator: close() ends its loader's workers
+        device = self.pl_module.device
+        optimizers = list(self.trainer.optimizers) if self.stage == "train" else []
+        if self.stage != "train":
+            self.pl_module.eval()  # the snapshot puts the train/eval flags back
+        peak: int | None = None
         try:
             for batch_idx in range(self.steps_per_trial):
-                batch = compat.batch_to_device(self.trainer, self.pl_module, next(batches))
-                compat.training_step(self.trainer, self.pl_module, batch, batch_idx)
-                del batch
+                raw = next(batches)
+                if not self.track_memory:
+                    batch = compat.batch_to_device(self.trainer, self.pl_module, raw)
+                    compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx)
+                    del batch, raw
+                    continue
+                with measure_peak(device, self.pl_module, optimizers) as reading:
+                    batch = compat.batch_to_device(self.trainer, self.pl_module, raw)
+                    compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx)
+                step_peak = reading.peak_bytes
+                if step_peak is not None and device.type == "cpu":
+                    step_peak += tensor_bytes(raw)
+                del batch, raw
+                if step_peak is not None:
+                    peak = step_peak if peak is None else max(peak, step_peak)
         finally:
-            batches.close()  # shuts down worker processes of the probe's loader
+            batches.close()
+        return peak

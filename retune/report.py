@@ -258,27 +258,33 @@ def format_trial(n: int, batch_size: int, fits: bool, peak_bytes: int | None = N
     return line
 
 
-def format_summary(event: RetuneEvent) -> str:
-    """The one line that ends a search (the wording the README documents)."""
+def format_summary(event: RetuneEvent, where: str | None = None) -> str:
+    """The one line that ends a search; ``where`` defaults to ``epoch N``."""
     return (
-        f"epoch {event.epoch}: batch size {event.batch_size_before} -> {event.batch_size_after} "
-        f"({len(event.trials)} trials, {event.duration_s:.2f}s, trigger {event.trigger})"
+        f"{where or f'epoch {event.epoch}'}: {event.stage} batch size {event.batch_size_before} -> "
+        f"{event.batch_size_after} ({len(event.trials)} trials, {event.duration_s:.2f}s, trigger {event.trigger})"
     )
 
 
 def event_metrics(event: RetuneEvent) -> dict[str, float]:
-    """What one search sends to the trainer's loggers, as floats (every logger accepts those)."""
+    """What one search sends to the trainer's loggers, as floats (every logger accepts those).
+
+    Train searches log ``retune/batch_size``, ``retune/search_seconds`` and ``retune/trials``; a
+    search of another stage logs the same names with the stage added (``retune/val_batch_size``).
+    """
+    prefix = "retune/" if event.stage == "train" else f"retune/{event.stage}_"
     return {
-        "retune/batch_size": float(event.batch_size_after),
-        "retune/search_seconds": float(event.duration_s),
-        "retune/trials": float(len(event.trials)),
+        f"{prefix}batch_size": float(event.batch_size_after),
+        f"{prefix}search_seconds": float(event.duration_s),
+        f"{prefix}trials": float(len(event.trials)),
     }
 
 
 def format_table(events: Sequence[RetuneEvent]) -> str:
     """A fixed-width table of the searches: epoch, step, trigger, size before -> after, trials, seconds.
 
-    A ``peak`` column (measured peak of the chosen size) is added when any search measured one.
+    A ``stage`` column is added when any search tuned another stage than train, and a ``peak``
+    column (measured peak of the chosen size) when any search measured one.
     """
     header = ["epoch", "step", "trigger", "batch size", "trials", "seconds"]
     rows = [
@@ -292,6 +298,10 @@ def format_table(events: Sequence[RetuneEvent]) -> str:
         ]
         for e in events
     ]
+    if any(e.stage != "train" for e in events):
+        header.insert(3, "stage")
+        for row, e in zip(rows, events, strict=True):
+            row.insert(3, e.stage)
     peaks = [chosen_peak(e) for e in events]
     if any(p is not None for p in peaks):
         header.append("peak")
@@ -302,7 +312,7 @@ def format_table(events: Sequence[RetuneEvent]) -> str:
         return f"{title} (the schedule's triggers never fired)"
     widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(header))]
     # text left-aligned, numbers right-aligned
-    align = ["<" if name == "trigger" else ">" for name in header]
+    align = ["<" if name in ("trigger", "stage") else ">" for name in header]
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, align, widths, strict=True)).rstrip()
@@ -317,12 +327,14 @@ def format_table(events: Sequence[RetuneEvent]) -> str:
 def batch_size_series(events: Sequence[RetuneEvent], end_step: int | None = None) -> list[tuple[int, int]]:
     """Batch size over steps as implied by the events alone: each search's size holds until the next.
 
-    Used when the run did not record the size at every step. Two searches at one step (a resume)
-    keep the later one. The series ends at ``end_step`` when given.
+    Used when the run did not record the size at every step. Only train searches count (the
+    x axis is training steps). Two searches at one step (a resume) keep the later one. The series
+    ends at ``end_step`` when given.
     """
     points: dict[int, int] = {}
     for e in events:
-        points[e.global_step] = e.batch_size_after
+        if e.stage == "train":
+            points[e.global_step] = e.batch_size_after
     series = sorted(points.items())
     if series and end_step is not None and end_step > series[-1][0]:
         series.append((end_step, series[-1][1]))
@@ -352,7 +364,7 @@ def chosen_peak(event: RetuneEvent) -> int | None:
 
 
 def _chosen_peaks(events: Iterable[RetuneEvent]) -> list[tuple[int, int]]:
-    return [(e.global_step, peak) for e in events if (peak := chosen_peak(e)) is not None]
+    return [(e.global_step, peak) for e in events if e.stage == "train" and (peak := chosen_peak(e)) is not None]
 
 
 def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Path:
@@ -396,11 +408,12 @@ def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Pa
 
     ymax = ax.get_ylim()[1]
     for e in record.events:
+        stage = "" if e.stage == "train" else f"{e.stage} "
         for axis in (ax, mem_ax):
             if axis is not None:
                 axis.axvline(e.global_step, color="gray", linestyle=":", linewidth=1)
         ax.annotate(
-            f"{e.trigger}\n{e.batch_size_before} \u2192 {e.batch_size_after}",
+            f"{e.trigger}\n{stage}{e.batch_size_before} \u2192 {e.batch_size_after}",
             xy=(e.global_step, ymax),
             xytext=(3, -3),
             textcoords="offset points",

@@ -220,6 +220,15 @@ class ApplyConfig(_Config):
     )
 
 
+class StageBatchArgNames(_Config):
+    """Per-stage batch-size attributes, used where the model or datamodule has them."""
+
+    train: StrictStr = Field("train_batch_size", min_length=1)
+    val: StrictStr = Field("val_batch_size", min_length=1)
+    test: StrictStr = Field("test_batch_size", min_length=1)
+    predict: StrictStr = Field("predict_batch_size", min_length=1)
+
+
 class RetuneSchedule(_Config):
     """A complete schedule: when to re-run the batch-size search, and how."""
 
@@ -242,7 +251,16 @@ class RetuneSchedule(_Config):
         ..., description="When to search (at least one); several firing at one epoch start give one search."
     )
     apply: ApplyConfig = ApplyConfig()
-    stages: tuple[Stage, ...] = Field(("train",), description="Which stages' batch sizes to tune (at least one).")
+    stages: tuple[Stage, ...] = Field(
+        ("train",),
+        description="Which stages' batch sizes to tune (at least one): train and val at the triggers, "
+        "test and predict when trainer.test/predict start (val also at trainer.validate).",
+    )
+    stage_batch_arg_names: StageBatchArgNames = Field(
+        StageBatchArgNames(),
+        description="Each stage's own batch-size attribute; where the model or datamodule lacks it, the stage "
+        "uses batch_arg_name.",
+    )
 
     @field_validator("triggers")
     @classmethod

@@ -6,6 +6,8 @@ what an optimizer step and a forward pass touch, so this snapshot copies exactly
 * parameters that can receive a gradient (``requires_grad``, or already holding a ``.grad``) and
   their gradients; frozen parameters are left alone, so a frozen backbone costs nothing;
 * all buffers (batch-norm statistics move in any training forward) and train/eval flags;
+* torchmetrics states (plain attributes, not buffers: a ``Metric`` updated in ``training_step``,
+  as every Flash Task does, would otherwise count the probe's batches in the epoch's value);
 * optimizer state and hyperparameters, LR scheduler and grad scaler state;
 * RNG states (python, numpy, torch, CUDA) and any extra generators (a sampler's own generator);
 * any extra ``state_dict``/``load_state_dict`` objects (the loops' progress counters).
@@ -60,6 +62,7 @@ class TrainingSnapshot:
     optimizers: list[_OptimizerState] = field(default_factory=list)
     stateful: list[tuple[Any, Any]] = field(default_factory=list)
     counters: list[tuple[Any, str, Any]] = field(default_factory=list)
+    metrics: list[tuple[nn.Module, dict[str, Any]]] = field(default_factory=list)
     rng: dict[str, Any] = field(default_factory=dict)
     generators: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)
     nbytes: int = 0
@@ -72,14 +75,16 @@ class TrainingSnapshot:
         stateful: Iterable[Any] = (),
         counters: Iterable[tuple[Any, str]] = (),
         generators: Iterable[torch.Generator] = (),
+        include_params: bool = True,
     ) -> TrainingSnapshot:
         """Copy the changeable state of ``module`` and ``optimizers``.
 
         ``stateful`` objects (LR schedulers, grad scaler, loop progress) are saved through their own
-        ``state_dict()``; ``counters`` are ``(object, attribute)`` pairs of plain values.
+        ``state_dict()``; ``counters`` are ``(object, attribute)`` pairs of plain values. An evaluation
+        probe cannot change parameters, so it passes ``include_params=False`` and copies none.
         """
         snap = cls()
-        for param in module.parameters():
+        for param in module.parameters() if include_params else ():
             if param.requires_grad or param.grad is not None:
                 grad = None if param.grad is None else _host_copy(param.grad)
                 snap.params.append(_ParamState(param, _host_copy(param.data), grad))
@@ -90,6 +95,8 @@ class TrainingSnapshot:
                 if buf is not None:
                     snap.buffers.append((sub, name, buf, _host_copy(buf)))
                     snap.nbytes += buf.numel() * buf.element_size()
+            if _is_metric(sub):
+                snap.metrics.append((sub, _metric_state(sub)))
         for optimizer in optimizers:
             state: dict[Any, dict[str, Any]] = {}
             for p, entries in optimizer.state.items():
@@ -131,9 +138,27 @@ class TrainingSnapshot:
             obj.load_state_dict(copy.deepcopy(state))
         for obj, name, value in self.counters:
             setattr(obj, name, copy.deepcopy(value))
+        for metric, state in self.metrics:
+            for name, value in state.items():
+                setattr(metric, name, copy.deepcopy(value))
         _set_rng_state(self.rng)
         for generator, gen_state in self.generators:
             generator.set_state(gen_state)
+
+
+_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")
+
+
+def _is_metric(module: nn.Module) -> bool:
+    """A torchmetrics ``Metric``, checked without importing torchmetrics (it is optional)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(module, torchmetrics.Metric)
+
+
+def _metric_state(metric: Any) -> dict[str, Any]:
+    """The states registered with ``add_state`` (listed in ``_defaults``) and the update bookkeeping."""
+    names = [*metric._defaults, *(name for name in _METRIC_BOOKKEEPING if hasattr(metric, name))]
+    return {name: copy.deepcopy(getattr(metric, name)) for name in names}
 
 
 def _restore_optimizer(opt: _OptimizerState) -> None:

@@ -102,7 +102,16 @@ def test_show_yaml_fills_defaults(capsys: pytest.CaptureFixture[str]) -> None:
     assert "budget: null" in out
     data = yaml.safe_load(out)
     assert data == load_schedule(NO_WARM_START).model_dump(mode="json")
-    assert list(data) == ["version", "batch_arg_name", "search", "memory", "triggers", "apply", "stages"]
+    assert list(data) == [
+        "version",
+        "batch_arg_name",
+        "search",
+        "memory",
+        "triggers",
+        "apply",
+        "stages",
+        "stage_batch_arg_names",
+    ]
     assert load_schedule(data) == load_schedule(NO_WARM_START)
 
 

@@ -48,6 +48,9 @@ def test_plain_backbone_finetuning(tmp_path: Path, capsys: pytest.CaptureFixture
     assert report.format_table(result.history) in capsys.readouterr().out
 
 
+# LightningCLI 2.6 calls jsonargparse APIs that jsonargparse 4.49+ deprecates: not ours to fix
+@pytest.mark.filterwarnings("ignore:.*deprecated in v4\\.49:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.pytorch.cli")
 def test_lightning_cli_config_sets_the_finder_and_its_schedule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = EXAMPLES / "lightning_cli.yaml"
     callbacks = yaml.safe_load(config.read_text())["trainer"]["callbacks"]

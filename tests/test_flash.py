@@ -358,12 +358,6 @@ def test_schedules_that_search_at_the_unfreeze_epochs_are_accepted() -> None:
     RetuneFlashStrategy("freeze_unfreeze", 1, schedule="schedules/freeze_unfreeze.yaml")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Probe steps update the Task's torchmetrics states (Flash logs Metric objects from training_step; "
-    "their states are plain attributes, not buffers, so retune's snapshot does not restore them): epoch 0's "
-    "train accuracy includes every probe batch that fit. Needs torchmetrics states in retune/snapshot.py.",
-)
 def test_probe_steps_leave_the_task_metrics_untouched() -> None:
     pl.seed_everything(0)
     model, dm = OracleTask(), _datamodule()

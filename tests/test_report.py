@@ -182,6 +182,22 @@ def test_table_peak_column_only_when_measured() -> None:
     assert table.splitlines()[3].endswith("-")
 
 
+def test_other_stages() -> None:
+    frozen, unfrozen = _events()
+    val = RetuneEvent.from_dict({**unfrozen.to_dict(), "stage": "val", "batch_size_after": 512, "global_step": 21})
+    events = [frozen, unfrozen, val]
+    lines = report.format_table(events).splitlines()
+    assert lines[1].split()[3] == "stage"
+    assert [line.split()[3] for line in lines[3:]] == ["train", "train", "val"]
+    # the plotted series is the train size over training steps
+    assert report.batch_size_series(events, end_step=30) == [(0, 110), (21, 31), (30, 31)]
+    assert report.event_metrics(val) == {
+        "retune/val_batch_size": 512.0,
+        "retune/val_search_seconds": 0.25,
+        "retune/val_trials": 5.0,
+    }
+
+
 def test_table_of_no_events() -> None:
     assert report.format_table([]) == "retune: 0 searches (the schedule's triggers never fired)"
 
@@ -191,8 +207,9 @@ def test_lines_and_metrics() -> None:
     assert report.format_trial(3, 128, False) == "trial 3 batch_size=128: does not fit"
     assert report.format_trial(1, 64, True, 1536 * 1024) == "trial 1 batch_size=64: fits, peak 1.5 MiB"
     assert report.format_summary(unfrozen) == (
-        "epoch 3: batch size 110 -> 31 (5 trials, 0.25s, trigger trainable_params_changed)"
+        "epoch 3: train batch size 110 -> 31 (5 trials, 0.25s, trigger trainable_params_changed)"
     )
+    assert report.format_summary(unfrozen, where="validate start").startswith("validate start: train batch size")
     assert report.event_metrics(frozen) == {
         "retune/batch_size": 110.0,
         "retune/search_seconds": 0.9,

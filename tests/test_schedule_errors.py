@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from retune import RetuneSchedule, ScheduleError, load_schedule
+from retune import ScheduleError, load_schedule
 from retune.errors import FieldProblem
 
 BAD = Path(__file__).parent / "schedules_bad"
@@ -43,7 +43,7 @@ CASES: list[Any] = [
     (
         "unknown_top_level_key.yaml",
         "batch_size",
-        "unknown key 'batch_size'; allowed keys: apply, batch_arg_name, memory, search, stages, triggers, version",
+        "unknown key 'batch_size'; allowed keys: apply, batch_arg_name, memory, search, stage_batch_arg_names, stages, triggers, version",
     ),
     (
         "typo_steps_per_trail.yaml",
@@ -96,8 +96,7 @@ CASES: list[Any] = [
         "memory.budget",
         "a number budget is a fraction of device memory in (0, 1], got 40",
     ),
-    # -- valid format, but not built yet ----------------------------------------------------------
-    ("not_yet_stages.yaml", "stages", "['train', 'val']: only ['train'] is available yet"),
+    ("stage_typo.yaml", "stages[1]", "Input should be 'train', 'val', 'test' or 'predict' (got 'valid')"),
     # a YAML mapping key that is a list (`[5, 10]` inside a flow mapping, `at:` forgotten)
     ("flow_mapping_missing_key.yaml", "", "line 5"),
 ]
@@ -182,10 +181,3 @@ def test_several_problems_one_per_line() -> None:
         f"  triggers: list at least one trigger; kinds: {TRIGGER_KINDS_TEXT}",
     ]
     assert [p.path for p in info.value.problems] == ["search.init_val", "search.margin", "triggers"]
-
-
-def test_unsupported_feature_in_a_ready_model_is_rejected() -> None:
-    model = RetuneSchedule.model_validate({"stages": ["train", "val"], "triggers": [{"kind": "fit_start"}]})
-    with pytest.raises(ScheduleError) as info:
-        load_schedule(model)
-    assert str(info.value) == "<schedule>: stages: ['train', 'val']: only ['train'] is available yet"

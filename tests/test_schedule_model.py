@@ -47,6 +47,12 @@ FULL: dict[str, Any] = {
     ],
     "apply": {"accumulate": "free", "lr_scaling": "none"},
     "stages": ["train"],
+    "stage_batch_arg_names": {
+        "train": "train_batch_size",
+        "val": "val_batch_size",
+        "test": "test_batch_size",
+        "predict": "predict_batch_size",
+    },
 }
 
 
@@ -71,6 +77,12 @@ def test_defaults_are_filled_in() -> None:
         "triggers": ({"kind": "fit_start"},),
         "apply": {"accumulate": "free", "lr_scaling": "none"},
         "stages": ("train",),
+        "stage_batch_arg_names": {
+            "train": "train_batch_size",
+            "val": "val_batch_size",
+            "test": "test_batch_size",
+            "predict": "predict_batch_size",
+        },
     }
     assert isinstance(schedule.search, SearchConfig)
     assert isinstance(schedule.memory, MemoryConfig)
@@ -175,6 +187,7 @@ def test_json_schema_has_the_public_fields() -> None:
         "triggers",
         "apply",
         "stages",
+        "stage_batch_arg_names",
     }
     assert schema["required"] == ["triggers"]
     mapping = schema["properties"]["triggers"]["items"]["discriminator"]["mapping"]

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ import retune
 from retune import ScheduledBatchSizeFinder
 from retune.errors import RetuneError
 from retune.probe import Prober
-from tests.benchmarks.oracle_device import CapacityOracle, simulated_device
+from tests.benchmarks.oracle_device import CapacityOracle, host_memory, simulated_device, to_device
 
 RESULTS = Path(__file__).parent / "results"
 STEPS_PER_TRIAL = 3
@@ -94,13 +94,34 @@ class FineTuneModule(pl.LightningModule):
         self.trained_sizes.append(int(batch[0].shape[0]))
 
     def train_dataloader(self) -> DataLoader:
-        # one indexing op per batch (TensorDataset takes a list of indices) instead of one per sample:
-        # the same batch tensor as the default collate, without thousands of dispatched ops per batch
-        sampler = BatchSampler(RandomSampler(self.data), batch_size=self.batch_size, drop_last=False)
+        # one indexing op per batch (the dataset takes a list of indices) instead of one per sample:
+        # the same batch as the default collate, without thousands of dispatched ops per batch
+        sampler = HostBatchSampler(RandomSampler(self.data), batch_size=self.batch_size, drop_last=False)
         return DataLoader(self.data, sampler=sampler, batch_size=None)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        # the host-to-device transfer of a GPU run: from here on the batch is charged to the device
+        return to_device(batch)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+class HostTensorDataset(TensorDataset):
+    """Batches are assembled in host memory, as a dataloader does on a GPU machine."""
+
+    def __getitem__(self, index: Any) -> Any:
+        with host_memory():
+            return super().__getitem__(index)
+
+
+class HostBatchSampler(BatchSampler):
+    """Index lists drawn in host memory (the sampler's ``randperm`` is no device memory either)."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        with host_memory():
+            batches = list(super().__iter__())
+        yield from batches
 
 
 class MeanPooledEncoder(nn.Module):
@@ -117,7 +138,7 @@ class MeanPooledEncoder(nn.Module):
 
 def _mlp() -> FineTuneModule:
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(N_SAMPLES, 128, generator=g), torch.randint(0, 10, (N_SAMPLES,), generator=g))
+    data = HostTensorDataset(torch.randn(N_SAMPLES, 128, generator=g), torch.randint(0, 10, (N_SAMPLES,), generator=g))
     backbone = nn.Sequential(
         nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU()
     )
@@ -126,7 +147,7 @@ def _mlp() -> FineTuneModule:
 
 def _cnn() -> FineTuneModule:
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(
+    data = HostTensorDataset(
         torch.randn(N_SAMPLES, 3, 32, 32, generator=g), torch.randint(0, 10, (N_SAMPLES,), generator=g)
     )
     # GroupNorm, not BatchNorm: BackboneFinetuning freezes with train_bn=True, which would leave
@@ -143,7 +164,7 @@ def _cnn() -> FineTuneModule:
 def _transformer() -> FineTuneModule:
     g = torch.Generator().manual_seed(0)
     seq_len = 32
-    data = TensorDataset(
+    data = HostTensorDataset(
         torch.randint(0, 1000, (N_SAMPLES, seq_len), generator=g), torch.randint(0, 10, (N_SAMPLES,), generator=g)
     )
     backbone = MeanPooledEncoder(vocab=1000, d_model=64, nhead=4, ff=128, layers=2, seq_len=seq_len)
@@ -324,18 +345,18 @@ class MeasuredFinder(ScheduledBatchSizeFinder):
         self.measured: list[dict[str, Any]] = []
         self._trials: list[tuple[int, bool]] = []
 
-    def _search(self, trainer: Any, pl_module: Any, firing: Any, cold: bool) -> None:
+    def _search(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         steps, started = pl_module.steps_run, time.perf_counter()
         self._trials = []
         try:
-            super()._search(trainer, pl_module, firing, cold)
+            super()._search(trainer, pl_module, *args, **kwargs)
         finally:
             seconds = time.perf_counter() - started
             self.measured.append({"seconds": seconds, "steps": pl_module.steps_run - steps, "trials": self._trials})
 
-    def _report_trial(self, size: int, fits: bool, peak: int | None) -> None:
+    def _report_trial(self, size: int, fits: bool, *args: Any, **kwargs: Any) -> None:
         self._trials.append((size, fits))
-        super()._report_trial(size, fits, peak)
+        super()._report_trial(size, fits, *args, **kwargs)
 
 
 class LightningTrials:

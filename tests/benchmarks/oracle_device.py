@@ -24,11 +24,22 @@ Decisions (all apply equally to retune and Lightning; see tests/benchmarks/READM
   the operator runs, so ``t.set_(storage)`` (how ``torch.load`` builds tensors) counts the loaded
   storage. Tensors created before the mode (the dataset, the model) are never counted again when an
   in-place op (an optimizer step) returns them.
-* **Host memory is not device memory.** retune keeps its snapshot in host memory; on a GPU its
-  copies (``retune.snapshot._host_copy``: ``.to("cpu", copy=True)``) take no device memory. On CPU
-  they are ``clone()``s that the oracle would otherwise charge to the simulated device, so
-  :func:`host_copies_off_device` pauses the oracle while ``_host_copy`` runs. Restoring writes them
-  back in place (no new storage), except a gradient that must be re-created, which is charged.
+* **Host memory is not device memory.** On a GPU some tensors a run creates live in host memory;
+  on this CPU they would all be charged, so they are made inside :func:`host_memory`, where no
+  dispatch mode sees them:
+
+  - the dataloader's batches: the benchmark's dataset and sampler build them inside
+    :func:`host_memory`, and the model's ``transfer_batch_to_device`` hook calls
+    :func:`to_device`, which starts charging the batch's storages (without copying them: on a
+    real CPU run the transfer is a no-op too, which is what retune's CPU accounting expects).
+    From then on the batch is device memory until it is freed, like the device copy of a GPU
+    run. Without this, a batch a loop merely holds on to (Lightning's fetcher prefetches the next
+    one) would be charged, which on a GPU it is not;
+  - retune's snapshot: on a GPU its copies (``retune.snapshot._host_copy``: ``.to("cpu",
+    copy=True)``) take no device memory; on CPU they are ``clone()``s, so
+    :func:`host_copies_off_device` runs ``_host_copy`` in :func:`host_memory`. Restoring writes
+    them back in place (no new storage), except a gradient that must be re-created, which is
+    charged.
 * **Lightning's checkpoint.** ``torch.save`` writes to disk and allocates nothing. ``torch.load``
   builds new storages, and the oracle charges them: on a GPU Lightning's finder restores with
   ``map_location`` = the strategy's root device, so the loaded checkpoint does occupy device memory
@@ -46,7 +57,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 
@@ -58,6 +69,31 @@ def resident_storage_bytes(modules: Iterable[nn.Module]) -> tuple[int, set[int]]
             storage = tensor.untyped_storage()
             seen[storage._cdata] = storage.nbytes()
     return sum(seen.values()), set(seen)
+
+
+_ACTIVE: list[CapacityOracle] = []
+
+
+def to_device(batch: Any) -> Any:
+    """The host-to-device transfer of ``batch``, emulated: charge its storages to the active oracle.
+
+    Raises the simulated OOM, and charges nothing, when the batch does not fit.
+    """
+    tensors = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+    for oracle in _ACTIVE:
+        oracle.charge(tensors)
+    return batch
+
+
+@contextmanager
+def host_memory() -> Iterator[None]:
+    """Tensors created in this block are host memory: no dispatch mode sees them.
+
+    Every active mode is set aside, the oracle *and* retune's own ``CpuPeakTracker``: on a GPU
+    neither the device nor CUDA's memory statistics see a host tensor.
+    """
+    with _disable_current_modes():
+        yield
 
 
 class CapacityOracle(TorchDispatchMode):  # type: ignore[misc]
@@ -75,7 +111,14 @@ class CapacityOracle(TorchDispatchMode):  # type: ignore[misc]
         self.peak = self.base
         self.ooms = 0
         self._live: dict[int, int] = {}
-        self._paused = 0
+
+    def __enter__(self) -> CapacityOracle:
+        _ACTIVE.append(self)
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.remove(self)
+        super().__exit__(*exc)
 
     @property
     def live_bytes(self) -> int:
@@ -84,21 +127,10 @@ class CapacityOracle(TorchDispatchMode):  # type: ignore[misc]
     def reset_peak(self) -> None:
         self.peak = self.live_bytes
 
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Allocations inside this block are host memory: not counted, never an OOM."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
-
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        if self._paused:
-            return func(*args, **kwargs)
         inputs = {
             leaf.untyped_storage()._cdata
             for leaf in tree_leaves((args, kwargs))
@@ -112,14 +144,31 @@ class CapacityOracle(TorchDispatchMode):  # type: ignore[misc]
         )
         if allocated and self.live_bytes > self.capacity:
             self.ooms += 1
-            live = self.live_bytes - allocated
-            del out  # the new storages die with this frame: uncounted before the caller sees the error
-            raise torch.OutOfMemoryError(
-                f"CUDA out of memory. Tried to allocate {allocated} bytes (simulated device, capacity "
-                f"{self.capacity} bytes, {live} bytes live, {self.capacity - live} bytes free)"
-            )
+            del out  # the new storages die here: uncounted before the caller sees the error
+            raise self._error(allocated)
         self.peak = max(self.peak, self.live_bytes)
         return out
+
+    def charge(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Start charging existing storages (a batch arriving on the device); OOM if they do not fit."""
+        keys = []
+        for tensor in tensors:
+            if self._track(tensor, set()):
+                keys.append(tensor.untyped_storage()._cdata)
+        if keys and self.live_bytes > self.capacity:
+            allocated = sum(self._live[key] for key in keys)
+            for key in keys:
+                self._release(key)
+            self.ooms += 1
+            raise self._error(allocated)
+        self.peak = max(self.peak, self.live_bytes)
+
+    def _error(self, allocated: int) -> torch.OutOfMemoryError:
+        live = self.live_bytes
+        return torch.OutOfMemoryError(
+            f"CUDA out of memory. Tried to allocate {allocated} bytes (simulated device, capacity "
+            f"{self.capacity} bytes, {live} bytes live, {self.capacity - live} bytes free)"
+        )
 
     def _track(self, tensor: torch.Tensor, inputs: set[int]) -> int:
         storage = tensor.untyped_storage()
@@ -137,7 +186,7 @@ class CapacityOracle(TorchDispatchMode):  # type: ignore[misc]
 
 
 @contextmanager
-def host_copies_off_device(oracle: CapacityOracle) -> Iterator[None]:
+def host_copies_off_device() -> Iterator[None]:
     """Do not charge retune's snapshot copies to the simulated device (they live in host memory).
 
     On a GPU ``retune.snapshot._host_copy`` copies device tensors to the CPU, so the snapshot takes
@@ -150,7 +199,7 @@ def host_copies_off_device(oracle: CapacityOracle) -> Iterator[None]:
     original = snapshot._host_copy
 
     def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-        with oracle.paused():
+        with host_memory():
             return original(tensor)
 
     snapshot._host_copy = _host_copy
@@ -164,5 +213,5 @@ def host_copies_off_device(oracle: CapacityOracle) -> Iterator[None]:
 def simulated_device(capacity_bytes: int, resident: Iterable[nn.Module]) -> Iterator[CapacityOracle]:
     """The oracle entered, with retune's host copies kept off it."""
     oracle = CapacityOracle(capacity_bytes, resident)
-    with host_copies_off_device(oracle), oracle:
+    with host_copies_off_device(), oracle:
         yield oracle
