@@ -2,19 +2,30 @@
 # torch is pinned to 2.13.0 so that pip takes the CPU build instead of a multi-GB CUDA wheel;
 # GPU users install their own torch first (README, "GPU").
 PYTHON ?= python3.11
+TORCH ?= torch==2.13.0
+# main stack: Lightning 2.6 (pytorch_lightning and lightning.pytorch), finetuning-scheduler
 VENV ?= .venv
 BIN := $(VENV)/bin
-TORCH ?= torch==2.13.0
+# Flash stack: pytorch-lightning 1.9.5 + lightning-flash 0.8.2 (cannot share an environment with 2.x)
+FLASH_VENV ?= .venv-flash
+FLASH_BIN := $(FLASH_VENV)/bin
 
-.PHONY: run test lint typecheck unit clean
+.PHONY: run demo test test-main test-flash lint typecheck bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH) -e ".[lightning,fts,dev]"
 	touch $@
 
+$(FLASH_BIN)/.installed: pyproject.toml requirements/flash.txt requirements/flash-constraints.txt
+	$(PYTHON) -m venv $(FLASH_VENV)
+	$(FLASH_BIN)/pip install --quiet $(TORCH)
+	$(FLASH_BIN)/pip install --quiet -r requirements/flash.txt
+	$(FLASH_BIN)/pip install --quiet --no-deps -e .
+	touch $@
+
 run: $(BIN)/.installed
-	$(BIN)/retune validate schedules/*
+	$(BIN)/retune demo
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check retune tests examples
@@ -23,10 +34,20 @@ lint: $(BIN)/.installed
 typecheck: $(BIN)/.installed
 	$(BIN)/mypy retune
 
-unit: $(BIN)/.installed
-	$(BIN)/python -m pytest
+test-main: $(BIN)/.installed
+	mkdir -p build
+	$(BIN)/python -m pytest --junitxml=build/junit-main.xml
+	$(BIN)/python .ci/count_tests.py build/junit-main.xml "main stack (Lightning 2.6)"
 
-test: lint typecheck unit
+test-flash: $(FLASH_BIN)/.installed
+	mkdir -p build
+	$(FLASH_BIN)/python -m pytest -p no:cacheprovider --junitxml=build/junit-flash.xml
+	$(FLASH_BIN)/python .ci/count_tests.py build/junit-flash.xml "flash stack (Lightning 1.9.5 + Flash 0.8.2)"
+
+test: lint typecheck test-main test-flash
+
+bench: $(BIN)/.installed
+	$(BIN)/python -m tests.benchmarks.run
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(FLASH_VENV) build .mypy_cache .ruff_cache .pytest_cache

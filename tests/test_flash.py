@@ -225,7 +225,7 @@ def test_strategy_freeze_unfreeze_retunes_in_its_own_hook(tmp_path: Path) -> Non
     torch.save(saved, tmp_path / "strategy.pt")
     assert torch.load(tmp_path / "strategy.pt", weights_only=True) == saved
     assert "internal_optimizer_metadata" in saved
-    assert saved["retune"]["batch_size"] == strategy.batch_size
+    assert saved["retune"]["stages"]["train"]["size"] == strategy.batch_size
     restored = RetuneFlashStrategy("freeze_unfreeze", 1, verbose=False)
     restored.load_state_dict(saved)
     assert restored.batch_size == strategy.batch_size

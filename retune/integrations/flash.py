@@ -194,6 +194,18 @@ class RetuneFlashStrategy(FlashBaseFinetuning):  # type: ignore[misc]
         super().on_train_epoch_start(trainer, pl_module)
         self.finder.on_train_epoch_start(trainer, pl_module)
 
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_validation_start(trainer, pl_module)
+        self.finder.on_validation_start(trainer, pl_module)
+
+    def on_test_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_test_start(trainer, pl_module)
+        self.finder.on_test_start(trainer, pl_module)
+
+    def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_predict_start(trainer, pl_module)
+        self.finder.on_predict_start(trainer, pl_module)
+
     def state_dict(self) -> dict[str, Any]:
         state = dict(super().state_dict())
         state["retune"] = self.finder.state_dict()
