@@ -14,7 +14,7 @@ FLASH_BIN := $(FLASH_VENV)/bin
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH) -e ".[lightning,fts,dev]"
+	$(BIN)/pip install --quiet $(TORCH) -e ".[lightning,fts,demo,dev]"
 	touch $@
 
 $(FLASH_BIN)/.installed: pyproject.toml requirements/flash.txt requirements/flash-constraints.txt

@@ -9,6 +9,8 @@ schedule file (relative to where you run the command)::
 See ``examples/lightning_cli.yaml``. The model and datamodule here are minimal: what matters for
 retune is that the batch size lives in an attribute (here the datamodule's ``batch_size``) that
 ``train_dataloader()`` reads, exactly as for Lightning's ``BatchSizeFinder``.
+
+Needs LightningCLI's parser: ``pip install "jsonargparse[signatures]>=4.39"``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@
 from retune.errors import RetuneError, ScheduleError
 from retune.events import RetuneEvent, Trial
 from retune.loading import load_schedule
-from retune.oom import is_oom_error
 from retune.schedule import RetuneSchedule
 from retune.triggers import TrainingView, Trigger
 
@@ -29,9 +28,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # The callback imports Lightning; keep `retune validate` and schedule tooling free of that import.
+    # The callback imports Lightning and the OOM check torch; keep `retune validate` and schedule
+    # tooling free of those imports (seconds at start-up).
     if name == "ScheduledBatchSizeFinder":
         from retune.callback import ScheduledBatchSizeFinder
 
         return ScheduledBatchSizeFinder
+    if name == "is_oom_error":
+        from retune.oom import is_oom_error
+
+        return is_oom_error
     raise AttributeError(f"module 'retune' has no attribute {name!r}")

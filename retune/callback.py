@@ -13,9 +13,10 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from retune import compat
+from retune import compat, report
 from retune.apply import accumulation_for, lr_factor, scale_learning_rates
 from retune.errors import RetuneError
 from retune.events import RetuneEvent, Trial
@@ -57,10 +58,21 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
     The batch size is per device (per DDP process), like every Lightning batch size.
     """
 
-    def __init__(self, schedule: ScheduleSource, triggers: Sequence[Trigger] = (), verbose: bool = True) -> None:
+    def __init__(
+        self,
+        schedule: ScheduleSource,
+        triggers: Sequence[Trigger] = (),
+        verbose: bool = True,
+        out_dir: str | Path | None = None,
+        write_report: bool = True,
+    ) -> None:
         self.schedule = load_schedule(schedule)
         self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
         self.verbose = verbose
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        self.write_report = write_report
+        self.report_paths: report.OutputPaths | None = None
+        self._trial_no = 0
         self.history: list[RetuneEvent] = []
         self._stages: dict[str, _StageState] = {}
         self._reference_effective: int | None = None
@@ -203,6 +215,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         epoch = trainer.current_epoch
         where = f"epoch {epoch}" if stage in ("train", "val") and compat.trainer_fn(trainer) == "fit" else label
         self._say(f"{where}: {label} fired, searching the {stage} batch size (from {plan.start})")
+        self._trial_no = 0
         prober = Prober(
             trainer,
             pl_module,
@@ -260,10 +273,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         state.size, state.last = result.size, result
         if result.model is not None:
             state.model = result.model
-        self._say(
-            f"{where}: {stage} batch size {before} -> {result.size} ({len(result.trials)} trials, "
-            f"{event.duration_s:.2f}s, trigger {label})"
-        )
+        self._say(report.format_summary(event, where))
+        self._log_event(trainer, event)
 
     def _apply_policies(self, trainer: Any, before: int, after: int) -> tuple[int, float]:
         """Keep the effective batch size and/or scale learning rates (the schedule's ``apply``)."""
@@ -359,8 +370,42 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
 
     def _report_trial(self, size: int, fits: bool, peak: int | None) -> None:
-        memory = "" if peak is None else f", peak {peak / 2**20:.1f} MiB"
-        self._say(f"  trial batch_size={size}: {'fits' if fits else 'does not fit'}{memory}")
+        self._trial_no += 1
+        self._say("  " + report.format_trial(self._trial_no, size, fits, peak))
+
+    def _log_event(self, trainer: Any, event: RetuneEvent) -> None:
+        """Send a search's result to every logger, at the step it ran (the probes are over: loggers are back).
+
+        ``logger.log_metrics`` rather than ``pl_module.log``: it records the value at the search's own
+        step, works from every hook (eval-stage searches run where ``self.log`` is refused), and keeps
+        retune's numbers out of ``callback_metrics``, which checkpoint and early-stopping monitors read.
+        """
+        if not self._is_global_zero:
+            return
+        metrics = report.event_metrics(event)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """Print the table of searches and write history.json, history.csv and batch_size.png.
+
+        The files go to ``out_dir``, else to ``retune/`` in the first logger's folder; a run with
+        neither (``logger=False``) writes none, as Lightning writes no logs then.
+        """
+        if self._disabled or not self.history or not self._is_global_zero:
+            return
+        if self.verbose:
+            _print(report.format_table(self.history))
+        out = self.out_dir
+        if out is None and trainer.loggers and trainer.log_dir is not None:
+            out = Path(trainer.log_dir) / "retune"
+        if not self.write_report or out is None:
+            return
+        budgets = [e.budget_bytes for e in self.history if e.budget_bytes is not None]
+        self.report_paths = report.write_outputs(
+            self.history, out, end_step=trainer.global_step, budget_bytes=budgets[-1] if budgets else None
+        )
+        self._say(f"history, CSV and plot in {out}")
 
     def _say(self, message: str, warn: bool = False) -> None:
         if warn:

@@ -88,7 +88,7 @@ def _report(args: argparse.Namespace) -> int:
     print(report.format_table(history.events))
     if args.no_plot:
         return 0
-    png = Path(args.plot) if args.plot else path.with_suffix(".png")
+    png = Path(args.plot) if args.plot else path.parent / report.PNG_NAME  # re-renders a run's own plot
     try:
         report.plot_history(png, history)
     except ImportError as exc:
@@ -196,7 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
         "written by a run with ScheduledBatchSizeFinder (or by retune demo).",
     )
     p.add_argument("history", metavar="HISTORY_JSON")
-    p.add_argument("--plot", metavar="PNG", default=None, help="where to write the plot (default: beside the JSON)")
+    p.add_argument(
+        "--plot", metavar="PNG", default=None, help="where to write the plot (default: batch_size.png beside the JSON)"
+    )
     p.add_argument("--no-plot", action="store_true", help="print the table only")
     p.set_defaults(func=_report)
     return parser

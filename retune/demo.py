@@ -7,14 +7,16 @@ runs a schedule with the ``freeze_unfreeze`` triggers, so it searches at fit sta
 the unfreeze, and the run ends with the table of searches, the accuracy reached and the report
 files (``history.json``, ``history.csv``, ``batch_size.png``).
 
-Why a simulated device. On a CPU nothing runs out of memory at these sizes, and retune does not
-enforce ``memory.budget`` yet, so the demo plays the device itself: :class:`SimulatedDevice`
-models the bytes one training step of this CNN needs from its real layer shapes and parameter
-counts, and raises the real ``torch.OutOfMemoryError`` when that exceeds the budget, exactly where
-a GPU of that size would fail. The budget is the schedule's ``memory.budget`` (``--budget``
-writes it), so the same number will drive retune's own measured budgets once those exist; until
-then the demo strips it from the schedule it hands the finder and gives it to the simulated
-device instead. The demo says so when it starts.
+Why a simulated device (the default, ``--memory simulated``). On a CPU nothing runs out of
+memory at these sizes, so the demo plays the device: :class:`SimulatedDevice` models the bytes
+one training step of this CNN needs from its real layer shapes and parameter counts, and raises
+the real ``torch.OutOfMemoryError`` when that exceeds the budget, exactly where a GPU of that size
+would fail. The answer is then exact and the same on every machine, and the demo can print the
+true maximum of each phase. The budget is the schedule's ``memory.budget`` (``--budget`` writes
+it); in this mode the demo takes it out of the schedule it hands the finder and gives it to the
+simulated device instead, and says so when it starts. ``--memory measured`` leaves the budget in
+the schedule and no simulation: retune itself holds each probe's measured peak (tensor bytes, on
+CPU) to it, which is what a real run on a CPU does.
 """
 
 from __future__ import annotations
@@ -545,7 +547,8 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
 
     progress = sys.stdout.isatty() if config.progress_bar is None else config.progress_bar
     out = Path(config.out)
-    finder = ScheduledBatchSizeFinder(schedule)
+    # the demo writes richer outputs itself (per-step sizes and memory); the finder prints the table
+    finder = ScheduledBatchSizeFinder(schedule, write_report=False)
     unfreeze = pl.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=config.unfreeze_at)
     epoch_lines = EpochLines(device_limit if simulated else None, say)
     logger = pl.loggers.CSVLogger(save_dir=str(out), name="logs")  # a new version_N per run
@@ -586,9 +589,6 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
             "true_max": true_max,
         },
     )
-    say("")
-    for line in report.format_table(finder.history).splitlines():
-        say(line)
     say("")
     frozen_note = (
         f" (backbone frozen: {frozen_epochs[-1]:.3f} at epoch {len(frozen_epochs) - 1})" if frozen_epochs else ""

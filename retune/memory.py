@@ -50,17 +50,22 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        inputs = {
+            leaf.untyped_storage()._cdata
+            for leaf in tree_leaves((args, kwargs or {}))
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"
+        }
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-                self._track(leaf)
+                self._track(leaf, inputs)
         return out
 
-    def _track(self, tensor: torch.Tensor) -> None:
+    def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
         storage = tensor.untyped_storage()
         key = storage._cdata
         nbytes = storage.nbytes()
-        if key in self._live or nbytes == 0:
-            return  # a view or an in-place result: no new memory
+        if key in self._live or key in inputs or nbytes == 0:
+            return  # a view or an in-place result shares an input's storage: no new memory
         self._live[key] = nbytes
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import retune.apply
 from retune import RetuneError, ScheduledBatchSizeFinder, ScheduleError, load_schedule
 from retune.apply import Accumulation, accumulation_for, lr_factor, scale_learning_rates
-from tests.lightning_ns import callbacks, pl
+from tests.lightning_ns import LEGACY, callbacks, pl, seed
 
 
 @pytest.fixture(autouse=True)
@@ -471,7 +471,7 @@ def _fit(
     ckpt_path: Path | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[Any, ScheduledBatchSizeFinder, Recorder]:
-    pl.seed_everything(0, verbose=False)
+    seed(0)
     finder = ScheduledBatchSizeFinder(schedule, verbose=False)
     recorder = Recorder(capture_epoch=1)
     cbs: list[Any] = [finder, recorder, *extra]
@@ -547,12 +547,20 @@ def test_keep_effective_inexact_warns_and_records_the_effective_size(caplog: pyt
     assert trainer.global_step == 4 + 3 + 3
 
 
-@pytest.mark.parametrize("how", ["trainer-arg", "constant-scheduler"])
+_LEGACY_ONLY = pytest.mark.skipif(not LEGACY, reason="only Lightning 1.9 takes a dict for accumulate_grad_batches")
+
+
+@pytest.mark.parametrize(
+    "how", ["trainer-arg", "constant-scheduler", pytest.param("constant-dict", marks=_LEGACY_ONLY)]
+)
 def test_keep_effective_keeps_an_accumulation_set_before_the_first_tune(how: str) -> None:
-    """Accumulation 2 at the first tune (``Trainer(accumulate_grad_batches=2)``, or a
-    ``GradientAccumulationScheduler({0: 2})``, which never changes it): the target is 64 x 2 = 128 = 16 x 8."""
+    """Accumulation 2 at the first tune (``Trainer(accumulate_grad_batches=2)``, a
+    ``GradientAccumulationScheduler({0: 2})``, or on 1.9 ``accumulate_grad_batches={0: 2}``, which never
+    change it): the target is 64 x 2 = 128 = 16 x 8."""
     if how == "trainer-arg":
         _, finder, rec = _fit(LinearModel(), _schedule("keep_effective"), accumulate_grad_batches=2)
+    elif how == "constant-dict":
+        _, finder, rec = _fit(LinearModel(), _schedule("keep_effective"), accumulate_grad_batches={0: 2})
     else:
         extra = (callbacks.GradientAccumulationScheduler({0: 2}),)
         _, finder, rec = _fit(LinearModel(), _schedule("keep_effective"), extra=extra)
@@ -578,6 +586,21 @@ def test_keep_effective_refuses_a_gradient_accumulation_scheduler_subclass() -> 
     extra = (MyAccumulation({0: 1, 2: 2}),)
     with pytest.raises(RetuneError, match="GradientAccumulationScheduler"):
         _fit(LinearModel(limit_by="epoch"), _schedule("keep_effective", triggers="epoch"), unfreeze=False, extra=extra)
+
+
+@_LEGACY_ONLY
+def test_keep_effective_refuses_a_scheduling_dict_on_lightning_1_9() -> None:
+    """1.9's ``Trainer(accumulate_grad_batches={0: 1, 2: 2})`` builds an internal scheduler
+    (``trainer.accumulation_scheduler``) that no callback list shows: refused all the same."""
+    model = LinearModel(limit_by="epoch")
+    with pytest.raises(RetuneError, match="GradientAccumulationScheduler") as info:
+        _fit(
+            model,
+            _schedule("keep_effective", triggers="epoch"),
+            unfreeze=False,
+            accumulate_grad_batches={0: 1, 2: 2},
+        )
+    assert "keep_effective" in str(info.value)
 
 
 def test_free_accumulation_runs_next_to_a_gradient_accumulation_scheduler() -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from matplotlib.image import imread
 from torch import nn
 
 from retune import ScheduleError, is_oom_error, load_schedule, report
@@ -31,6 +30,10 @@ from retune.demo import (
     resolve_schedule,
     run_demo,
 )
+
+# skip guards: the demo reads sklearn's digits and the checks read its PNG (neither is in the flash stack)
+pytest.importorskip("sklearn", reason="the demo's data set is sklearn's digits; scikit-learn is not installed")
+imread = pytest.importorskip("matplotlib.image", reason="the demo's plot needs matplotlib, not installed").imread
 
 MARGIN = 0.05
 
@@ -64,7 +67,8 @@ def test_console_story(demo: DemoResult) -> None:
     text = "\n".join(demo.lines)
     assert f"memory budget: {report.format_bytes(demo.budget_bytes)} (the demo's default)" in text
     assert "simulated device" in text
-    assert report.format_table(demo.history) in text
+    # the table of searches comes from the callback itself (stderr, above the progress bar), not twice
+    assert report.format_table(demo.history) not in text
     assert f"accuracy on digits 5-9 (179 held-out images): {demo.accuracy:.3f}" in text
     assert demo.lines[-1].startswith("finished in ")
     epoch_lines = [line for line in demo.lines if line.startswith("epoch ") and "val accuracy" in line]

@@ -17,6 +17,10 @@ import yaml
 import retune
 from retune import report
 
+# skip guards: the examples import lightning.pytorch, and write their PNG plots with matplotlib
+pytest.importorskip("lightning.pytorch", reason="the examples use the `lightning` package, which is not installed")
+pytest.importorskip("matplotlib", reason="the examples' plots need matplotlib, which is not installed")
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 

@@ -229,7 +229,7 @@ def _fit(root: Path, case: Case, batch_size: int, with_finder: bool, extra: tupl
         "progress_bar_metrics": dict(trainer.progress_bar_metrics),
         "checkpoint files": sorted(p.name for p in (root / "ckpt").iterdir()),
         "checkpoint contents": {p.name: _checkpoint_content(p, root) for p in sorted((root / "ckpt").iterdir())},
-        "CSV metrics.csv": (root / "csv" / "version_0" / "metrics.csv").read_text(),
+        "CSV metrics.csv": _without_retune_columns((root / "csv" / "version_0" / "metrics.csv").read_text()),
         "global RNG after fit": {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
@@ -239,6 +239,15 @@ def _fit(root: Path, case: Case, batch_size: int, with_finder: bool, extra: tupl
     if model.generator is not None:
         state["model generator after fit"] = model.generator.get_state()
     return Outcome(root, finder, state)
+
+
+def _without_retune_columns(text: str) -> list[dict[str, str]]:
+    """metrics.csv less the finder's own documented output (retune/* columns, and rows that only hold them)."""
+    import csv
+    import io
+
+    rows = [{k: v for k, v in r.items() if not k.startswith("retune/")} for r in csv.DictReader(io.StringIO(text))]
+    return [r for r in rows if any(v for k, v in r.items() if k not in ("epoch", "step"))]
 
 
 def _checkpoint_content(path: Path, root: Path) -> dict[str, Any]:

@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from matplotlib.image import imread
 
 from retune import RetuneEvent, Trial, report
 from retune.cli import main
+
+# skip guard: the plot checks read the PNG back (matplotlib is not in the flash stack)
+imread = pytest.importorskip("matplotlib.image", reason="the report's plot needs matplotlib, not installed").imread
 
 WIDTH, HEIGHT = report.PLOT_SIZE_PX
 
@@ -227,7 +229,7 @@ def test_cli_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(paths.json)]) == 0
     out = capsys.readouterr().out
     assert out.startswith(report.format_table(_events()) + "\n")
-    png = tmp_path / "history.png"
+    png = tmp_path / report.PNG_NAME  # the run's own plot, re-rendered
     assert f"plot: {png}" in out
     assert _png_shape(png) == (HEIGHT, WIDTH)
 
@@ -240,7 +242,7 @@ def test_cli_report_table_only(tmp_path: Path, capsys: pytest.CaptureFixture[str
     paths = report.write_outputs(_events(), tmp_path, plot=False)
     assert main(["report", str(paths.json), "--no-plot"]) == 0
     assert capsys.readouterr().out == report.format_table(_events()) + "\n"
-    assert not (tmp_path / "history.png").exists()
+    assert not (tmp_path / report.PNG_NAME).exists()
 
 
 @pytest.mark.parametrize("content", [None, "{not json", '"a string"'], ids=["missing", "bad-json", "not-history"])
@@ -267,4 +269,4 @@ def test_cli_report_as_a_process(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "trainable_params_changed" in proc.stdout
-    assert _png_shape(tmp_path / "history.png") == (HEIGHT, WIDTH)
+    assert _png_shape(tmp_path / report.PNG_NAME) == (HEIGHT, WIDTH)

@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from retune import RetuneError, ScheduledBatchSizeFinder  # noqa: E402
-from tests.lightning_ns import pl  # noqa: E402
+from retune import RetuneError, ScheduledBatchSizeFinder
+from tests.lightning_ns import pl
 
 
 class Wide(pl.LightningModule):  # type: ignore[misc,name-defined]
@@ -36,7 +36,9 @@ class Wide(pl.LightningModule):  # type: ignore[misc,name-defined]
     def __init__(self) -> None:
         super().__init__()
         self.batch_size = 2
-        self.net = nn.Sequential(nn.Linear(1024, 8192), nn.ReLU(), nn.Linear(8192, 8192), nn.ReLU(), nn.Linear(8192, 10))
+        self.net = nn.Sequential(
+            nn.Linear(1024, 8192), nn.ReLU(), nn.Linear(8192, 8192), nn.ReLU(), nn.Linear(8192, 10)
+        )
         self.data = TensorDataset(torch.randn(65536, 1024), torch.randint(0, 10, (65536,)))
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]

@@ -1,0 +1,323 @@
+"""Snapshot benchmark: retune's in-memory snapshot + restore against Lightning's checkpoint round trip.
+
+Lightning's ``BatchSizeFinder`` protects the run around its trials by writing a full checkpoint to
+disk and loading it back (``trainer.save_checkpoint`` + ``trainer._checkpoint_connector.restore`` +
+``trainer.strategy.remove_checkpoint``). retune copies only what a probe step can change
+(``TrainingSnapshot.capture``) into host memory and writes it back in place (``restore``).
+
+Model: a ~50M-parameter MLP (three Linear(4096, 4096) layers as the backbone, a Linear(4096, 10)
+head) trained with AdamW, one real step taken so the optimizer state exists. Both are timed inside
+a running fit, at the start of epoch 1, on the same trainer state. Cases:
+
+* ``empty``: no tensor at all (the snapshot of the loops, RNG and scheduler state): the fixed cost;
+* ``frozen``: backbone frozen, only the head trainable (the common fine-tuning start);
+* ``partial``: the last backbone layer and the head trainable;
+* ``unfrozen``: everything trainable.
+
+Targets: retune's snapshot + restore is >= 5x faster than Lightning's round trip (frozen and
+unfrozen), and with a frozen backbone its cost is proportional to the trainable state: each case
+costs the fixed cost plus its share of the unfrozen case's variable cost, by bytes copied.
+
+Run: ``python -m tests.benchmarks.bench_snapshot`` (writes tests/benchmarks/results/snapshot.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from retune import compat
+from retune.snapshot import TrainingSnapshot
+
+RESULTS = Path(__file__).parent / "results"
+WIDTH = 4096
+LAYERS = 3
+RETUNE_REPEATS = 7
+LIGHTNING_REPEATS = 3
+CASES = ("frozen", "partial", "unfrozen")
+
+
+class BigModel(pl.LightningModule):
+    def __init__(self, trainable: str, root: str) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for _ in range(LAYERS):
+            layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+        self.backbone = nn.Sequential(*layers)
+        self.head = nn.Linear(WIDTH, 10)
+        if trainable in ("frozen", "partial"):
+            self.backbone.requires_grad_(False)
+        if trainable == "partial":
+            self.backbone[-2].requires_grad_(True)
+        self.root = root
+        g = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randn(16, WIDTH, generator=g), torch.randint(0, 10, (16,), generator=g))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=8)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+
+def _capture(trainer: Any, module: nn.Module, with_optimizers: bool = True) -> TrainingSnapshot:
+    """What retune's probe session captures (retune.probe.Prober.session)."""
+    stateful: list[Any] = [*compat.lr_schedulers(trainer), *compat.loop_progress(trainer)]
+    scaler = compat.grad_scaler(trainer)
+    if scaler is not None:
+        stateful.append(scaler)
+    return TrainingSnapshot.capture(
+        module,
+        optimizers=list(trainer.optimizers) if with_optimizers else [],
+        stateful=stateful,
+        counters=compat.loop_counters(trainer),
+    )
+
+
+class Measure(pl.Callback):
+    """At the start of epoch 1 (Adam state allocated by epoch 0's step), time both round trips."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.result: dict[str, Any] = {}
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch != 1:
+            return
+        fingerprint = _fingerprint(trainer, pl_module)
+        empty, retune_times, capture_times, restore_times = [], [], [], []
+        nbytes = 0
+        for _ in range(RETUNE_REPEATS):
+            started = time.perf_counter()
+            snap = _capture(trainer, nn.Module(), with_optimizers=False)  # loops, RNG, schedulers: no tensors
+            snap.restore()
+            empty.append(time.perf_counter() - started)
+            del snap
+        for _ in range(RETUNE_REPEATS):
+            started = time.perf_counter()
+            snap = _capture(trainer, pl_module)
+            captured = time.perf_counter()
+            snap.restore()
+            done = time.perf_counter()
+            nbytes = snap.nbytes
+            del snap  # freed before the next capture, as after a search
+            capture_times.append(captured - started)
+            restore_times.append(done - captured)
+            retune_times.append(done - started)
+        assert _fingerprint(trainer, pl_module) == fingerprint, "retune's restore changed the state"
+        lightning_times, save_times, load_times, sizes = [], [], [], []
+        for _ in range(LIGHTNING_REPEATS):
+            path = os.path.join(self.root, f".scale_batch_size_{uuid.uuid4()}.ckpt")
+            started = time.perf_counter()
+            trainer.save_checkpoint(path)
+            saved = time.perf_counter()
+            sizes.append(os.path.getsize(path))
+            trainer._checkpoint_connector.restore(path)
+            trainer.strategy.remove_checkpoint(path)
+            done = time.perf_counter()
+            save_times.append(saved - started)
+            load_times.append(done - saved)
+            lightning_times.append(done - started)
+        assert _fingerprint(trainer, pl_module) == fingerprint, "Lightning's restore changed the state"
+        trainable = [p for p in pl_module.parameters() if p.requires_grad]
+        self.result = {
+            "params": sum(p.numel() for p in pl_module.parameters()),
+            "trainable_params": sum(p.numel() for p in trainable),
+            "trainable_state_bytes": _trainable_state_bytes(trainer, pl_module),
+            "snapshot_bytes": nbytes,
+            "checkpoint_bytes": statistics.median(sizes),
+            "retune_s": statistics.median(retune_times),
+            "retune_capture_s": statistics.median(capture_times),
+            "retune_restore_s": statistics.median(restore_times),
+            "retune_empty_s": statistics.median(empty),
+            "retune_all_s": retune_times,
+            "lightning_s": statistics.median(lightning_times),
+            "lightning_save_s": statistics.median(save_times),
+            "lightning_restore_s": statistics.median(load_times),
+            "lightning_all_s": lightning_times,
+        }
+
+
+def _trainable_state_bytes(trainer: Any, module: nn.Module) -> int:
+    """Bytes a probe can change: trainable parameters, their gradients, buffers and optimizer state."""
+    total = 0
+    for p in module.parameters():
+        if p.requires_grad or p.grad is not None:
+            total += p.numel() * p.element_size() * (1 if p.grad is None else 2)
+    total += sum(b.numel() * b.element_size() for b in module.buffers())
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def _fingerprint(trainer: Any, module: nn.Module) -> list[float]:
+    values = [float(p.double().sum()) for p in module.parameters()]
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            values += [float(v.double().sum()) for v in state.values() if isinstance(v, torch.Tensor)]
+    return values
+
+
+def run_case(case: str, root: str) -> dict[str, Any]:
+    pl.seed_everything(0, verbose=False)
+    module = BigModel(case, root)
+    measure = Measure(root)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        limit_train_batches=1,
+        callbacks=[measure],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=root,
+    )
+    trainer.fit(module)
+    return measure.result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(RESULTS / "snapshot.json"))
+    args = parser.parse_args(argv)
+    for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    started = time.perf_counter()
+    root = tempfile.mkdtemp(prefix="retune-bench-ckpt-")  # local disk, as Lightning's default_root_dir
+    results: dict[str, dict[str, Any]] = {}
+    for case in CASES:
+        print(f"[bench] snapshot: {case} backbone", flush=True)
+        results[case] = run_case(case, root)
+        r = results[case]
+        print(
+            f"[bench]   retune {r['retune_s'] * 1e3:.1f} ms, lightning {r['lightning_s'] * 1e3:.1f} ms",
+            flush=True,
+        )
+    empty = statistics.median(r["retune_empty_s"] for r in results.values())
+    unfrozen = results["unfrozen"]
+    variable = unfrozen["retune_s"] - empty
+    lines = []
+    for case, r in results.items():
+        share = r["snapshot_bytes"] / unfrozen["snapshot_bytes"]
+        r["speedup"] = r["lightning_s"] / r["retune_s"]
+        r["bytes_share_of_unfrozen"] = share
+        r["time_share_of_unfrozen"] = r["retune_s"] / unfrozen["retune_s"]
+        r["retune_predicted_s"] = empty + share * variable  # fixed cost + its share of the variable cost
+        lines.append(
+            [
+                case,
+                f"{r['trainable_params'] / 1e6:.2f}M / {r['params'] / 1e6:.2f}M",
+                f"{r['snapshot_bytes'] / 2**20:.1f}",
+                f"{r['checkpoint_bytes'] / 2**20:.1f}",
+                f"{r['retune_capture_s'] * 1e3:.1f} + {r['retune_restore_s'] * 1e3:.1f} = {r['retune_s'] * 1e3:.1f}",
+                f"{r['lightning_save_s'] * 1e3:.0f} + {r['lightning_restore_s'] * 1e3:.0f} = "
+                f"{r['lightning_s'] * 1e3:.0f}",
+                f"{r['speedup']:.1f}x",
+                f"{share:.5f}",
+                f"{r['time_share_of_unfrozen']:.5f}",
+            ]
+        )
+    header = (
+        "backbone",
+        "trainable / total params",
+        "snapshot MiB",
+        "checkpoint MiB",
+        "retune capture + restore ms",
+        "lightning save + restore ms",
+        "speedup",
+        "bytes / unfrozen",
+        "time / unfrozen",
+    )
+    print()
+    print(_table(header, lines))
+    print(f"retune fixed cost (no tensor state: loops, RNG, schedulers): {empty * 1e3:.2f} ms")
+    targets = []
+    for case in ("frozen", "unfrozen"):
+        speedup = results[case]["speedup"]
+        targets.append(
+            {"target": f"snapshot + restore >= 5x faster than the disk round trip ({case})", "value": round(speedup, 1),
+             "pass": speedup >= 5}
+        )  # fmt: skip
+    for case in ("frozen", "partial"):
+        r = results[case]
+        predicted, measured = r["retune_predicted_s"], r["retune_s"]
+        tolerance = max(0.25 * (predicted - empty), 0.002)  # 25% of its variable part, at least 2 ms of noise
+        targets.append(
+            {
+                "target": f"{case}: time proportional to the trainable state (fixed cost + bytes share of the "
+                f"unfrozen variable cost, within max(25%, 2 ms))",
+                "value": f"measured {measured * 1e3:.2f} ms, predicted {predicted * 1e3:.2f} ms",
+                "pass": abs(measured - predicted) <= tolerance,
+            }
+        )
+    print()
+    for target in targets:
+        print(f"{'PASS' if target['pass'] else 'FAIL'}  {target['target']}: {target['value']}")
+    elapsed = time.perf_counter() - started
+    print(f"\nbenchmark time {elapsed:.0f}s")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "benchmark": "snapshot",
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "pytorch_lightning": pl.__version__,
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average_at_start": os.getloadavg(),
+            "checkpoint_dir": root,
+        },
+        "settings": {
+            "width": WIDTH,
+            "layers": LAYERS,
+            "retune_repeats": RETUNE_REPEATS,
+            "lightning_repeats": LIGHTNING_REPEATS,
+            "optimizer": "AdamW",
+        },
+        "retune_fixed_cost_s": empty,
+        "cases": results,
+        "targets": targets,
+        "seconds": elapsed,
+    }
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+def _table(header: tuple[str, ...], lines: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    out = [" | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    out.append("-+-".join("-" * w for w in widths))
+    out += [" | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
