@@ -41,7 +41,7 @@ def test_metrics_table_and_files(tmp_path: Path, capsys: pytest.CaptureFixture[s
     finder, trainer = _fit(tmp_path)
     assert [e.trigger for e in finder.history] == ["fit_start", "trainable_params_changed"]
 
-    with open(Path(trainer.log_dir) / "metrics.csv", newline="") as f:
+    with open(Path(trainer.logger.log_dir) / "metrics.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("retune/batch_size")]
     assert [(int(r["step"]), float(r["retune/batch_size"])) for r in rows] == [
         (e.global_step, float(e.batch_size_after)) for e in finder.history

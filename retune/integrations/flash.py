@@ -194,6 +194,10 @@ class RetuneFlashStrategy(FlashBaseFinetuning):  # type: ignore[misc]
         super().on_train_epoch_start(trainer, pl_module)
         self.finder.on_train_epoch_start(trainer, pl_module)
 
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_fit_end(trainer, pl_module)
+        self.finder.on_fit_end(trainer, pl_module)  # the table and the history files
+
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_validation_start(trainer, pl_module)
         self.finder.on_validation_start(trainer, pl_module)
