@@ -229,7 +229,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         try:
             with prober.session():
                 if mode == "model" and limit is not None:
-                    result = run_model_search(plan, prober.measure, limit, None if cold else state.model)
+                    # after an unfreeze the old slope misleads more than it helps: measure the new one
+                    prior = None if cold or direction == "down" else state.model
+                    result = run_model_search(plan, prober.measure, limit, prior)
                 else:
                     result = run_search(plan, prober.fits)
         except BaseException:

@@ -50,6 +50,8 @@ class SearchPlan:
     """A size assumed to fail without probing it (the previous failure, after memory grew)."""
     hint_fail: int | None = None
     """A size to probe next when growing, before doubling (the previous failure, direction unknown)."""
+    then: int | None = None
+    """``model`` mode: the second size to measure when the first fit and no line exists yet."""
 
     def __post_init__(self) -> None:
         if self.start < 1 or self.upper < 1 or self.max_trials < 1:
@@ -103,6 +105,11 @@ def plan_search(
         return SearchPlan(mode, min(init_val, upper), max_trials, margin, upper)
     start = min(previous.max_fitting, upper)
     failure = previous.min_failing if previous.min_failing is not None and previous.min_failing > start else None
+    if direction == "down" and mode == "model":
+        # after an unfreeze the last size most likely runs out of memory, and a real OOM leaves no peak to
+        # fit; two smaller sizes measure the new memory line instead, and the prediction verifies it
+        first = max(1, start // 8)
+        return SearchPlan(mode, first, max_trials, margin, upper, known_fail=failure, then=max(first + 1, start // 4))
     if direction == "down":
         return SearchPlan(mode, start, max_trials, margin, upper, known_fail=failure)
     if direction == "up":
@@ -221,7 +228,16 @@ def _model_next(
         size, peak = max(points.items())
         line = MemoryModel(peak - prior.per_sample * size, prior.per_sample)
     if line is None:  # one point or none: step geometrically, as a cold power search would
-        candidate = (hi // 2 if hi is not None else plan.start) if lo is None else lo * 8
+        if lo is None:
+            candidate = hi // 2 if hi is not None else plan.start
+        elif hi is not None:
+            # bracketed without a line: a second, smaller point gives one (a failure may leave no peak)
+            smaller = max(1, lo // 2)
+            if lo > 1 and smaller not in points:
+                return smaller
+            candidate = (lo + hi) // 2
+        else:
+            candidate = plan.then if plan.then is not None and plan.then > lo else lo * 8
     else:
         predicted = line.largest_within(limit, plan.upper)
         if lo is not None and predicted <= lo:
