@@ -399,8 +399,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         if self.verbose:
             _print(report.format_table(self.history))
         out = self.out_dir
-        if out is None and trainer.loggers and trainer.log_dir is not None:
-            out = Path(trainer.log_dir) / "retune"
+        if out is None:
+            folder = compat.log_dir(trainer)  # not trainer.log_dir: a collective, and only rank zero is here
+            out = None if folder is None else Path(folder) / "retune"
         if not self.write_report or out is None:
             return
         budgets = [e.budget_bytes for e in self.history if e.budget_bytes is not None]

@@ -535,6 +535,20 @@ def accumulation_is_scheduled(trainer: Any) -> bool:
 # -- reporting ---------------------------------------------------------------------------------
 
 
+def log_dir(trainer: Any) -> str | None:
+    """The first logger's own folder (a CSV/TensorBoard logger's version folder), or None without a logger.
+
+    Not ``trainer.log_dir``: that broadcasts from rank zero, a collective every rank must enter, so
+    rank-zero-only code cannot read it under DDP; and on 1.9 it is only a TensorBoard logger's folder,
+    for any other logger its ``save_dir``, which every version shares.
+    """
+    if not trainer.loggers:
+        return None
+    logger = trainer.loggers[0]
+    folder = getattr(logger, "log_dir", None) or logger.save_dir or trainer.default_root_dir
+    return None if folder is None else str(folder)
+
+
 def refresh_progress_bar(trainer: Any) -> None:
     """Let a TQDM bar show the new number of batches of the epoch whose loader was just rebuilt."""
     bar = getattr(trainer, "progress_bar_callback", None)

@@ -53,7 +53,7 @@ def test_metrics_table_and_files(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "[retune]   trial 1 batch_size=64: " in err
     assert report.format_table(finder.history) in err
 
-    out = Path(trainer.log_dir) / "retune"
+    out = Path(trainer.logger.log_dir) / "retune"
     assert finder.report_paths is not None and finder.report_paths.json == out / "history.json"
     assert report.read_history(out / "history.json").events == finder.history
     assert report.read_history(out / "history.json").end_step == trainer.global_step
