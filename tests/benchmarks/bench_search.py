@@ -664,7 +664,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scenarios", nargs="*", default=[s.name for s in SCENARIOS], help="subset to run")
     parser.add_argument("--out", default=str(RESULTS / "search.json"))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared machine multi-threaded ops stall whenever another process "
+        "holds a core, which makes the seconds column noise; 0 keeps torch's default)",
+    )
     args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     _quiet()
     started = time.perf_counter()
     rows: list[Row] = []

@@ -1,0 +1,187 @@
+"""The search comparison on a real CUDA GPU: real out-of-memory errors and real budgets.
+
+Not part of the default test run (CI has no GPU). On a machine with a CUDA GPU:
+
+    pip install -e ".[lightning]"         # or, keeping the machine's torch:
+    pip install "pydantic>=2.6,<3" pyyaml pytorch-lightning && PYTHONPATH=. python tests/gpu/bench_gpu.py
+    python tests/gpu/bench_gpu.py [--capacity-gib 2] [--out tests/gpu/results.json]
+
+The device is capped with ``torch.cuda.set_per_process_memory_fraction`` so that the caching allocator
+raises the real ``torch.OutOfMemoryError`` past ``--capacity-gib``, whatever the GPU's size. For each
+scenario (MLP, small CNN, small transformer encoder, backbone + head, AdamW):
+
+* Lightning's ``BatchSizeFinder`` (power, binsearch) at fit start, trials counted;
+* retune power / binsearch (real OOM only) and model (``memory.budget`` = the capacity, peaks from
+  CUDA's statistics), cold at fit start and re-tuned after ``BackboneFinetuning`` unfreezes at epoch 1;
+* the true maximum at fit start, located by bisection with retune's prober and verified at max and
+  max + 1.
+
+It prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pytorch_lightning as pl
+import pytorch_lightning.tuner.batch_size_scaling as scaling
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import BackboneFinetuning, BatchSizeFinder
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from retune import ScheduledBatchSizeFinder
+from retune.probe import Prober
+
+N = 65536
+
+
+class Task(pl.LightningModule):
+    def __init__(self, backbone: nn.Module, head: nn.Module, data: TensorDataset) -> None:
+        super().__init__()
+        self.backbone, self.head, self.data, self.batch_size = backbone, head, data, 2
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.head(self.backbone(x)), y)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def _mlp() -> Task:
+    data = TensorDataset(torch.randn(N, 1024), torch.randint(0, 10, (N,)))
+    backbone = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU())
+    return Task(backbone, nn.Linear(4096, 10), data)
+
+
+def _cnn() -> Task:
+    data = TensorDataset(torch.randn(N, 3, 64, 64), torch.randint(0, 10, (N,)))
+    backbone = nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    )  # fmt: skip
+    return Task(backbone, nn.Linear(64, 10), data)
+
+
+def _transformer() -> Task:
+    data = TensorDataset(torch.randint(0, 1000, (N, 128)), torch.randint(0, 10, (N,)))
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(1000, 256)
+            layer = nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, batch_first=True)
+            self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.encoder(self.embed(tokens)).mean(dim=1)
+
+    return Task(Encoder(), nn.Linear(256, 10), data)
+
+
+SCENARIOS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
+
+
+def _trainer(callbacks: list[Any], epochs: int) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cuda", devices=1, max_epochs=epochs, limit_train_batches=2, callbacks=callbacks,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+
+
+class TrueMax(pl.Callback):
+    """At the first epoch start (backbone frozen), bisect real probes for the largest size that fits."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, module: Task) -> None:
+        if trainer.current_epoch:
+            return
+        prober = Prober(trainer, module, "batch_size", 3)
+        with prober.session():
+            lo, hi = 1, 2
+            while hi <= N and prober.fits(hi):
+                lo, hi = hi, hi * 2
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if prober.fits(mid) else (lo, mid)
+            assert prober.fits(lo) and not prober.fits(lo + 1)
+        self.value = lo
+        module.batch_size = 2
+
+
+def run(name: str, capacity: int) -> list[dict[str, Any]]:
+    rows = []
+    pl.seed_everything(0)
+    module, true_max = SCENARIOS[name](), TrueMax()
+    _trainer([BackboneFinetuning(unfreeze_backbone_at_epoch=10), true_max], 1).fit(module)
+    for mode in ("power", "binsearch"):
+        pl.seed_everything(0)
+        module, count = SCENARIOS[name](), [0]
+        original = scaling._try_loop_run
+
+        def counted(*args: Any, count: list[int] = count, original: Any = original, **kwargs: Any) -> None:
+            count[0] += 1
+            original(*args, **kwargs)
+
+        scaling._try_loop_run = counted
+        finder = BatchSizeFinder(mode=mode, margin=0.0)
+        started = time.perf_counter()
+        try:
+            _trainer([BackboneFinetuning(unfreeze_backbone_at_epoch=10), finder], 1).fit(module)
+        finally:
+            scaling._try_loop_run = original
+        rows.append({"scenario": name, "phase": "cold", "method": f"lightning-{mode}", "trials": count[0],
+                     "found": finder.optimal_batch_size, "true_max": true_max.value,
+                     "seconds": time.perf_counter() - started})  # fmt: skip
+    for mode in ("power", "binsearch", "model"):
+        pl.seed_everything(0)
+        module = SCENARIOS[name]()
+        schedule = {
+            "search": {"mode": mode, "margin": 0.0, "max_val": N},
+            "memory": {"budget": f"{capacity}B" if mode == "model" else None},
+            "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],
+        }
+        finder = ScheduledBatchSizeFinder(schedule, verbose=False)
+        _trainer([BackboneFinetuning(unfreeze_backbone_at_epoch=1), finder], 2).fit(module)
+        for event, phase in zip(finder.history, ("cold", "retune"), strict=False):
+            rows.append({"scenario": name, "phase": phase, "method": f"retune-{mode}", "trials": len(event.trials),
+                         "found": event.batch_size_after, "true_max": true_max.value if phase == "cold" else None,
+                         "seconds": event.duration_s, "peaks": event.peak_bytes})  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--capacity-gib", type=float, default=2.0)
+    parser.add_argument("--out", type=Path, default=Path("tests/gpu/results.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: run this on a GPU machine")
+    total = torch.cuda.get_device_properties(0).total_memory
+    capacity = int(args.capacity_gib * 2**30)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, capacity / total))
+    rows = [row for name in SCENARIOS for row in run(name, capacity)]
+    for row in rows:
+        ratio = "" if not row["true_max"] else f"{row['found'] / row['true_max']:.3f}"
+        print(f"{row['scenario']:12} {row['phase']:7} {row['method']:20} trials {row['trials']:3} "
+              f"found {row['found']!s:6} true {row['true_max']!s:6} {ratio:6} {row['seconds']:.2f}s")  # fmt: skip
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "capacity": capacity, "rows": rows}))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
