@@ -27,7 +27,7 @@ TIMEOUT_S = 300
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = {}
-    for scenario in ("capacity", "unfreeze", "error"):
+    for scenario in ("capacity", "unfreeze", "error", "spawn"):
         out = tmp_path_factory.mktemp(scenario)
         procs[scenario] = (
             out,
@@ -100,3 +100,11 @@ def test_a_non_memory_error_on_one_rank_ends_every_rank_with_the_error(runs: dic
     assert "ValueError: boom on rank 1" in run["output"]  # the original error, from rank 1
     assert "rank 1 failed during a batch-size probe at size 64" in run["output"]  # rank 0 names it
     assert run["ranks"] == {}  # neither rank got past fit
+
+
+def test_ddp_spawn_agrees_on_the_smaller_capacity(runs: dict[str, Any]) -> None:
+    rank0, rank1 = _both(runs["spawn"])
+    smaller = min(rank0["epoch_true_max"][0], rank1["epoch_true_max"][0])
+    assert rank0["batch_size"] == rank1["batch_size"] == rank0["model_batch_size"] == rank1["model_batch_size"]
+    assert 0.9 * smaller <= rank0["batch_size"] <= smaller
+    assert rank0["weights_sha256"] == rank1["weights_sha256"]

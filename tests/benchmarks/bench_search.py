@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -62,7 +63,7 @@ MAX_VAL = 8192
 N_SAMPLES = 8192
 UNFREEZE_AT = 1
 SEED = 1234
-RETUNE_MODES = ("power", "binsearch", "model")
+RETUNE_MODES = ("binsearch", "power", "model")  # binsearch first: its fit locates the true maxima
 LIGHTNING_MODES = ("power", "binsearch")
 
 # -- scenarios -----------------------------------------------------------------------------------
@@ -318,8 +319,8 @@ class TrueMaxHarness(pl.Callback):
     itself to the end of ``trainer.callbacks``, so this runs right before retune's search.
     """
 
-    def __init__(self, oracle: CapacityOracle, known: dict[str, TrueMax]) -> None:
-        self.oracle = oracle
+    def __init__(self, device: dict[str, CapacityOracle], known: dict[str, TrueMax]) -> None:
+        self.device = device  # {"oracle": ...}, filled in once the fit has entered the simulated device
         self.known = known
         self.found: dict[str, TrueMax] = {}
 
@@ -327,7 +328,7 @@ class TrueMaxHarness(pl.Callback):
         phase = {0: "cold", UNFREEZE_AT: "retune"}.get(trainer.current_epoch)
         if phase is None:
             return
-        self.found[phase] = establish(trainer, pl_module, self.oracle, self.known.get(phase))
+        self.found[phase] = establish(trainer, pl_module, self.device["oracle"], self.known.get(phase))
 
 
 def establish(trainer: Any, module: FineTuneModule, oracle: CapacityOracle, known: TrueMax | None) -> TrueMax:
@@ -469,11 +470,11 @@ def run_retune(scenario: Scenario, mode: str, known: dict[str, TrueMax], root: s
         "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],
     }
     finder = MeasuredFinder(schedule, verbose=False)
-    oracle_holder: dict[str, Any] = {}
-    harness = _HarnessProxy(oracle_holder, known)
+    device: dict[str, CapacityOracle] = {}
+    harness = TrueMaxHarness(device, known)
     trainer = _trainer([BackboneFinetuning(unfreeze_backbone_at_epoch=UNFREEZE_AT), harness, finder], 2, root)
     with simulated_device(scenario.capacity, [module]) as oracle:
-        oracle_holder["oracle"] = oracle
+        device["oracle"] = oracle
         try:
             trainer.fit(module)
             ok, note = True, ""
@@ -502,7 +503,7 @@ def run_retune(scenario: Scenario, mode: str, known: dict[str, TrueMax], root: s
                 harness.found[phase].size,
                 measured["seconds"],
                 trained is not None and trained == found,
-                note if trained is None else "",
+                "" if trained == found else note or f"the step after the search trained {trained}",
                 trials,
             )
         )
@@ -513,18 +514,6 @@ def run_retune(scenario: Scenario, mode: str, known: dict[str, TrueMax], root: s
         "fit_note": note,
     }
     return rows, {"truth": harness.found, **extra}
-
-
-class _HarnessProxy(TrueMaxHarness):
-    """The harness, bound to the oracle once the fit has entered it."""
-
-    def __init__(self, holder: dict[str, Any], known: dict[str, TrueMax]) -> None:
-        super().__init__(None, known)  # type: ignore[arg-type]
-        self.holder = holder
-
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self.oracle = self.holder["oracle"]
-        super().on_train_epoch_start(trainer, pl_module)
 
 
 def run_lightning(
@@ -675,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     _quiet()
+    environment = _environment()
     started = time.perf_counter()
     rows: list[Row] = []
     details: dict[str, Any] = {}
@@ -685,7 +675,7 @@ def main(argv: list[str] | None = None) -> int:
         detail["params"] = sum(p.numel() for p in module.parameters())
         detail["backbone_params"] = sum(p.numel() for p in module.backbone.parameters())
         known: dict[str, TrueMax] = {}
-        for mode in ("binsearch", "power", "model"):
+        for mode in RETUNE_MODES:
             _progress(f"{scenario.name}: retune {mode} (cold at fit start, re-tune at the unfreeze epoch)")
             t0 = time.perf_counter()
             new_rows, extra = run_retune(scenario, mode, known, root)
@@ -751,7 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "search",
-        "environment": _environment(),
+        "environment": environment,
         "settings": {
             "steps_per_trial": STEPS_PER_TRIAL,
             "init_val": INIT_VAL,
@@ -770,6 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out.write_text(json.dumps(payload, indent=1, default=_json_default) + "\n")
     print(f"wrote {out}")
+    shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

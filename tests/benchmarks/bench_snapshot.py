@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
+    load_at_start = os.getloadavg()
     started = time.perf_counter()
     root = tempfile.mkdtemp(prefix="retune-bench-ckpt-")  # local disk, as Lightning's default_root_dir
     results: dict[str, dict[str, Any]] = {}
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             "pytorch_lightning": pl.__version__,
             "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
-            "load_average_at_start": os.getloadavg(),
+            "load_average_at_start": load_at_start,
             "checkpoint_dir": root,
         },
         "settings": {
@@ -368,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {out}")
+    shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

@@ -7,8 +7,10 @@ is active. Live bytes are
     base  (the model's parameters and buffers, which existed before the mode was entered)
   + every CPU tensor storage created while the mode is active and still alive
 
-counted the way ``retune.memory.CpuPeakTracker`` counts them: each new storage once, keyed by
+counted with the technique of ``retune.memory.CpuPeakTracker``: each new storage once, keyed by
 ``untyped_storage()._cdata``, and uncounted by a ``weakref.finalize`` when the storage is freed.
+The oracle is an independent implementation, so a bug in retune's tracker shows up as a gap
+between the two (the benchmark records both peaks for every harness probe).
 When an operator's new storages would push live bytes over the capacity, the oracle raises
 
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate N bytes (simulated device, ...)")

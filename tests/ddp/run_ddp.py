@@ -7,6 +7,7 @@ Scenarios:
   capacity  rank 1 has a smaller memory capacity than rank 0 (a smaller GPU, or other tenants)
   unfreeze  BackboneFinetuning unfreezes at epoch 1 under DDP
   error     rank 1 raises a non-memory error inside a probe
+  spawn     the capacity scenario under ddp_spawn (results written from inside the spawned processes)
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class RankModel(FineTuneModel):
         self.scenario = scenario
 
     def setup(self, stage: str) -> None:
-        if self.scenario == "capacity" and self.global_rank == 1:
+        if self.scenario in ("capacity", "spawn") and self.global_rank == 1:
             self.oracle = MemoryOracle(capacity=RANK1_CAPACITY)
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -50,7 +51,7 @@ class RankModel(FineTuneModel):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["capacity", "unfreeze", "error"])
+    parser.add_argument("scenario", choices=["capacity", "unfreeze", "error", "spawn"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--without-retune", action="store_true", help="the same run without the finder")
     args = parser.parse_args()
@@ -64,8 +65,9 @@ def main() -> None:
     cbs: list[Any] = [] if args.without_retune else [finder]
     if unfreeze:
         cbs.append(callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1))
+    cbs.append(WriteResult(args.out))
     trainer = pl.Trainer(
-        strategy="ddp",
+        strategy="ddp_spawn" if args.scenario == "spawn" else "ddp",
         accelerator="cpu",
         devices=2,
         max_epochs=3 if unfreeze else 2,
@@ -79,20 +81,31 @@ def main() -> None:
     )
     trainer.fit(model)
 
-    weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
-    result = {
-        "rank": trainer.global_rank,
-        "batch_size": finder.batch_size,
-        "model_batch_size": model.batch_size,
-        "history": [event.to_dict() for event in finder.history],
-        "epoch_true_max": model.epoch_true_max,
-        "weights_sha256": hashlib.sha256(weights).hexdigest(),
-        "global_step": trainer.global_step,
-        "batch_sizes_seen": model.train_batch_sizes,
-        "report_written": finder.report_paths is not None,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]
+    """Each rank writes what it ended with at fit end, inside its own process (ddp_spawn included)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def teardown(self, trainer: Any, model: Any, stage: str) -> None:  # after every on_fit_end
+        finder = next((cb for cb in trainer.callbacks if isinstance(cb, ScheduledBatchSizeFinder)), None)
+        if finder is None:
+            finder = ScheduledBatchSizeFinder({"triggers": [{"kind": "fit_start"}]}, verbose=False)
+        weights = b"".join(p.detach().cpu().numpy().tobytes() for p in model.parameters())
+        result = {
+            "rank": trainer.global_rank,
+            "batch_size": finder.batch_size,
+            "model_batch_size": model.batch_size,
+            "history": [event.to_dict() for event in finder.history],
+            "epoch_true_max": model.epoch_true_max,
+            "weights_sha256": hashlib.sha256(weights).hexdigest(),
+            "global_step": trainer.global_step,
+            "batch_sizes_seen": model.train_batch_sizes,
+            "report_written": finder.report_paths is not None,
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
