@@ -119,7 +119,7 @@ _FIT_ARG = {"train": "train_dataloaders", "val": "val_dataloaders", "test": "dat
 def _eval_loop(trainer: Any, stage: str) -> Any:
     """The 2.x loop that runs ``stage`` now: validation inside fit, or the validate/test/predict loop."""
     if stage == "val":
-        return trainer.validate_loop if _fn(trainer) == "validate" else trainer.fit_loop.epoch_loop.val_loop
+        return trainer.validate_loop if trainer_fn(trainer) == "validate" else trainer.fit_loop.epoch_loop.val_loop
     return trainer.test_loop if stage == "test" else trainer.predict_loop
 
 
@@ -127,9 +127,6 @@ def trainer_fn(trainer: Any) -> str:
     """``fit``, ``validate``, ``test`` or ``predict``: what the trainer is running."""
     fn = trainer.state.fn
     return str(getattr(fn, "value", fn))
-
-
-_fn = trainer_fn
 
 
 def dataloader_hook(stage: str) -> str:
@@ -175,26 +172,10 @@ def reload_dataloader(trainer: Any, stage: str) -> None:
         return
     loop = _eval_loop(trainer, stage)
     loop._combined_loader = None
-    if _fn(trainer) == "fit":
+    if trainer_fn(trainer) == "fit":
         return  # validation inside fit rebuilds it when it next runs
     loop.setup_data()  # validate/test/predict: the loop is starting now, as in Lightning's own finder
     loop.reset()
-
-
-def request_train_dataloader(trainer: Any) -> Any:
-    return request_dataloader(trainer, "train")
-
-
-def reload_train_dataloader(trainer: Any) -> None:
-    reload_dataloader(trainer, "train")
-
-
-def check_train_source(trainer: Any) -> None:
-    check_source(trainer, "train")
-
-
-def num_training_batches(trainer: Any) -> float:
-    return float(trainer.num_training_batches)
 
 
 def batch_to_device(trainer: Any, pl_module: Any, batch: Any) -> Any:
