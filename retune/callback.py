@@ -101,6 +101,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             self._say("fast_dev_run is on: skipping every batch-size search in this run", warn=True)
             return
         compat.check_strategy(trainer)
+        if compat.unshare_spawned_weights(trainer, pl_module):
+            log.debug("ddp_spawn left this rank's CPU weights in shared memory; gave it its own copy")
         stages = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[stage]
         for tuned in (s for s in stages if s in self.schedule.stages):
             if tuned == "val" and stage == "fit" and not self._separate_val(trainer, pl_module):

@@ -273,6 +273,25 @@ def is_distributed(trainer: Any) -> bool:
     return _strategy_kind(trainer) == "ddp"
 
 
+def unshare_spawned_weights(trainer: Any, pl_module: Any) -> bool:
+    """Give this rank its own copy of weights that ``ddp_spawn`` left in shared memory; True if any were.
+
+    torch.multiprocessing moves every CPU tensor handed to a spawned process into shared memory, so
+    under pytorch-lightning < 2.1 all ranks train *one* set of CPU weights and race on every optimizer
+    step (Lightning issue #17399; 2.1 clones them in each process). A probe writes to the weights and
+    its snapshot reads them, so a rank could capture another rank's half-finished probe and "restore"
+    it. Cloning in ``setup``, before the optimizers and DDP exist, is what Lightning 2.1 does.
+    """
+    if not is_distributed(trainer):
+        return False
+    tensors = [*pl_module.parameters(), *pl_module.buffers()]
+    shared = [t for t in tensors if t.device.type == "cpu" and t.is_shared()]
+    with torch.no_grad():
+        for tensor in shared:
+            tensor.data = tensor.data.clone()
+    return bool(shared)
+
+
 def all_gather_object(trainer: Any, obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (just ``[obj]`` on a single device). One collective call."""
     if not is_distributed(trainer):

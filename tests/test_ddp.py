@@ -108,3 +108,6 @@ def test_ddp_spawn_agrees_on_the_smaller_capacity(runs: dict[str, Any]) -> None:
     assert rank0["batch_size"] == rank1["batch_size"] == rank0["model_batch_size"] == rank1["model_batch_size"]
     assert 0.9 * smaller <= rank0["batch_size"] <= smaller
     assert rank0["weights_sha256"] == rank1["weights_sha256"]
+    # each rank trains its own copy of the weights: pytorch-lightning < 2.1 leaves them in memory shared
+    # by all spawned ranks (Lightning #17399), where one rank's probe would be another rank's snapshot
+    assert rank0["weights_shared_at_fit_start"] is False and rank1["weights_shared_at_fit_start"] is False

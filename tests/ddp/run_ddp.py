@@ -87,6 +87,11 @@ class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]
 
     def __init__(self, out: Path) -> None:
         self.out = out
+        self.weights_shared_at_fit_start: bool | None = None
+
+    def on_fit_start(self, trainer: Any, model: Any) -> None:
+        # ddp_spawn on pytorch-lightning < 2.1 leaves CPU weights in memory shared by all ranks (#17399)
+        self.weights_shared_at_fit_start = any(t.is_shared() for t in [*model.parameters(), *model.buffers()])
 
     def teardown(self, trainer: Any, model: Any, stage: str) -> None:  # after every on_fit_end
         finder = next((cb for cb in trainer.callbacks if isinstance(cb, ScheduledBatchSizeFinder)), None)
@@ -103,6 +108,7 @@ class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]
             "global_step": trainer.global_step,
             "batch_sizes_seen": model.train_batch_sizes,
             "report_written": finder.report_paths is not None,
+            "weights_shared_at_fit_start": self.weights_shared_at_fit_start,
         }
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
