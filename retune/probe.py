@@ -148,7 +148,7 @@ class Prober:
                     optimizer.zero_grad(set_to_none=True)
             loader = None
             _free_memory(collect=status == "oom")
-            self._snapshot.restore()
+            self._snapshot.restore(gradients=False)  # the gradients go back when the session ends
             for generator, state in generators:
                 generator.set_state(state)
         return status, (peak if status == "fits" else None), error

@@ -4,7 +4,10 @@ Lightning's finder saves a full checkpoint to disk and loads it back. A probe ca
 what an optimizer step and a forward pass touch, so this snapshot copies exactly that:
 
 * parameters that can receive a gradient (``requires_grad``, or already holding a ``.grad``) and
-  their gradients; frozen parameters are left alone, so a frozen backbone costs nothing;
+  their gradients; frozen parameters are left alone, so a frozen backbone costs nothing. Gradients
+  in host memory are not copied at all: capture takes the tensor off its parameter and restore
+  puts the same tensor back, so no probe step can write into it (device gradients are copied to
+  the host, so that they do not take device memory from the probe);
 * all buffers (batch-norm statistics move in any training forward) and train/eval flags;
 * torchmetrics states (plain attributes, not buffers: a ``Metric`` updated in ``training_step``,
   as every Flash Task does, would otherwise count the probe's batches in the epoch's value);
@@ -13,8 +16,9 @@ what an optimizer step and a forward pass touch, so this snapshot copies exactly
 * any extra ``state_dict``/``load_state_dict`` objects (the loops' progress counters).
 
 Copies live in host memory, so the snapshot does not take device memory away from the probe it
-protects. Restoring writes back *in place*: parameter, buffer and optimizer-state tensors keep
-their identity, which matters to anything holding a reference (``LightningOptimizer`` shares the
+protects, and all of them share one allocation (:mod:`retune.host_copy` says why that matters).
+Restoring writes back *in place*: parameter, buffer and optimizer-state tensors keep their
+identity, which matters to anything holding a reference (``LightningOptimizer`` shares the
 optimizer's ``state`` dict, DDP's reducer holds the parameters).
 """
 
@@ -30,11 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type == "cpu":
-        return tensor.detach().clone()
-    return tensor.detach().to("cpu", copy=True)
+from retune.host_copy import host_copies
 
 
 @dataclass
@@ -42,12 +42,21 @@ class _ParamState:
     param: nn.Parameter
     data: torch.Tensor
     grad: torch.Tensor | None
+    grad_is_held: bool = False  # ``grad`` is the parameter's own gradient tensor, not a copy
+
+
+@dataclass
+class _TensorCopy:
+    """An optimizer-state tensor and its host copy (a marker no user state value can be mistaken for)."""
+
+    original: torch.Tensor
+    host: torch.Tensor
 
 
 @dataclass
 class _OptimizerState:
     optimizer: torch.optim.Optimizer
-    # per parameter: key -> (original tensor to write back into, host copy) or plain value
+    # per parameter: key -> _TensorCopy (written back in place) or a plain value
     state: dict[Any, dict[str, Any]]
     groups: list[dict[str, Any]]
 
@@ -84,44 +93,85 @@ class TrainingSnapshot:
         probe cannot change parameters, so it passes ``include_params=False`` and copies none.
         """
         snap = cls()
+        # the tensors go first into a list, so that all their host copies share one allocation
+        sources: list[torch.Tensor] = []
+        params: list[tuple[nn.Parameter, int, int | None]] = []
         for param in module.parameters() if include_params else ():
             if param.requires_grad or param.grad is not None:
-                grad = None if param.grad is None else _host_copy(param.grad)
-                snap.params.append(_ParamState(param, _host_copy(param.data), grad))
-                snap.nbytes += param.numel() * param.element_size() * (1 if grad is None else 2)
+                if param.grad is not None and param.grad.device.type == "cpu":
+                    # taken off its parameter at the end, once nothing here can fail any more
+                    snap.params.append(_ParamState(param, param.data, param.grad, grad_is_held=True))
+                    continue  # its data is copied below, with the others
+                grad_at = None if param.grad is None else len(sources) + 1
+                params.append((param, len(sources), grad_at))
+                sources += [param.data] if param.grad is None else [param.data, param.grad]
+        held = [(i, entry.param.data) for i, entry in enumerate(snap.params)]
+        held_at = len(sources)
+        sources += [data for _, data in held]
+        buffers: list[tuple[nn.Module, str, torch.Tensor, int]] = []
         for sub in module.modules():
             snap.modes.append((sub, sub.training))
             for name, buf in sub._buffers.items():
                 if buf is not None:
-                    snap.buffers.append((sub, name, buf, _host_copy(buf)))
-                    snap.nbytes += buf.numel() * buf.element_size()
+                    buffers.append((sub, name, buf, len(sources)))
+                    sources.append(buf)
             if _is_metric(sub):
                 snap.metrics.append((sub, _metric_state(sub)))
+        optimizer_states: list[tuple[torch.optim.Optimizer, dict[Any, dict[str, Any]]]] = []
         for optimizer in optimizers:
             state: dict[Any, dict[str, Any]] = {}
             for p, entries in optimizer.state.items():
                 saved: dict[str, Any] = {}
                 for key, value in entries.items():
                     if isinstance(value, torch.Tensor):
-                        saved[key] = (value, _host_copy(value))
-                        snap.nbytes += value.numel() * value.element_size()
+                        saved[key] = _TensorCopy(value, value)  # host filled in below
+                        sources.append(value)
                     else:
                         saved[key] = copy.deepcopy(value)
                 state[p] = saved
+            optimizer_states.append((optimizer, state))
+        copies = host_copies(sources)
+        host_of = {id(source): copy_ for source, copy_ in zip(sources, copies, strict=True)}
+        snap.nbytes = sum(t.numel() * t.element_size() for t in sources)
+        for offset, (i, _) in enumerate(held):
+            snap.params[i].data = copies[held_at + offset]
+        snap.params += [
+            _ParamState(param, copies[at], None if grad_at is None else copies[grad_at])
+            for param, at, grad_at in params
+        ]
+        snap.buffers = [(sub, name, buf, copies[at]) for sub, name, buf, at in buffers]
+        for optimizer, state in optimizer_states:
+            for saved in state.values():
+                for value in saved.values():
+                    if isinstance(value, _TensorCopy):
+                        value.host = host_of[id(value.original)]
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             snap.optimizers.append(_OptimizerState(optimizer, state, groups))
         snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in stateful]
         snap.counters = [(obj, name, copy.deepcopy(getattr(obj, name))) for obj, name in counters]
         snap.rng = _rng_state()
         snap.generators = [(g, g.get_state()) for g in generators]
+        for entry in snap.params:
+            if entry.grad_is_held:
+                entry.param.grad = None
         return snap
 
-    def restore(self) -> None:
-        """Write everything back. Safe to call several times (once after each probe)."""
+    def restore(self, gradients: bool = True) -> None:
+        """Write everything back. Safe to call several times (once after each probe).
+
+        ``gradients=False`` leaves the captured parameters' gradients empty (``None``) instead: the
+        state between two probes, where the next probe's first step drops them anyway (Lightning
+        calls ``zero_grad`` at the start of every accumulation window) and where a gradient held by
+        reference must not be attached, since a step could write into it.
+        """
         with torch.no_grad():
             for entry in self.params:
                 entry.param.data.copy_(entry.data)
-                if entry.grad is None:
+                if not gradients:
+                    entry.param.grad = None
+                elif entry.grad_is_held:
+                    entry.param.grad = entry.grad
+                elif entry.grad is None:
                     entry.param.grad = None
                 elif entry.param.grad is not None and entry.param.grad.shape == entry.grad.shape:
                     entry.param.grad.copy_(entry.grad)
@@ -168,10 +218,9 @@ def _restore_optimizer(opt: _OptimizerState) -> None:
         for p, saved in opt.state.items():
             entries: dict[str, Any] = {}
             for key, value in saved.items():
-                if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.Tensor):
-                    original, host = value
-                    original.copy_(host)
-                    entries[key] = original
+                if isinstance(value, _TensorCopy):
+                    value.original.copy_(value.host)
+                    entries[key] = value.original
                 else:
                     entries[key] = copy.deepcopy(value)
             restored[p] = entries

@@ -1,0 +1,189 @@
+"""The snapshot a search takes before its probes, and the host copies it is made of.
+
+The end-to-end guarantee (a run with retune trains bit for bit like a run without it) lives in
+tests/test_no_trace.py; these tests pin the pieces: one host block for all copies, gradients held by
+reference instead of copied, and what ``restore(gradients=False)`` leaves between two probes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from retune.host_copy import host_copies
+from retune.snapshot import TrainingSnapshot
+
+MiB = 2**20
+
+
+def _storage_ptrs(tensors: list[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def test_host_copies_are_equal_independent_and_share_one_block() -> None:
+    sources = [
+        torch.randn(512, 512),  # 1 MiB: the set is large enough for one block
+        torch.randn(64, 32).t(),  # not contiguous
+        torch.tensor(3.5, dtype=torch.float64),  # zero-dimensional
+        torch.zeros(0, 7),  # empty
+        torch.tensor([True, False, True]),
+        torch.arange(5, dtype=torch.int16),
+        torch.randn(3, dtype=torch.bfloat16),
+    ]
+    copies = host_copies(sources)
+    assert len(_storage_ptrs(copies)) == 1, "all copies are views into one host allocation"
+    for source, copy in zip(sources, copies, strict=True):
+        assert copy.dtype == source.dtype and copy.shape == source.shape
+        assert torch.equal(copy, source)
+        assert copy.is_contiguous()
+    before = [c.clone() for c in copies]
+    for source in sources:
+        if source.numel():
+            source.fill_(1) if source.dtype != torch.bool else source.fill_(False)
+    for copy, kept in zip(copies, before, strict=True):
+        assert torch.equal(copy, kept), "a copy must not change with its source"
+
+
+def test_host_copies_outlive_their_siblings() -> None:
+    # each copy keeps the block alive on its own: dropping the others must not free its memory
+    sources = [torch.randn(256, 1024), torch.randn(256, 1024)]
+    copies = host_copies(sources)
+    second = copies[1]
+    del copies
+    torch.randn(4096, 1024)  # allocate over whatever could have been freed
+    assert torch.equal(second, sources[1])
+
+
+def test_small_sets_and_sparse_tensors_are_cloned_one_by_one() -> None:
+    small = host_copies([torch.ones(3), torch.ones(4)])
+    assert len(_storage_ptrs(small)) == 2
+    sparse = torch.randn(600, 600).relu().to_sparse()
+    dense = torch.randn(512, 512)
+    copies = host_copies([sparse, dense])
+    assert copies[0].is_sparse and torch.equal(copies[0].to_dense(), sparse.to_dense())
+    assert torch.equal(copies[1], dense)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(256, 512), nn.BatchNorm1d(512), nn.ReLU())
+        self.head = nn.Linear(512, 10)
+        self.frozen = nn.Linear(512, 512).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(self.backbone(x)))
+
+
+def _trained() -> tuple[_Net, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    net = _Net()
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(2):
+        optimizer.zero_grad()
+        net(torch.randn(32, 256)).pow(2).mean().backward()
+        optimizer.step()
+    return net, optimizer
+
+
+def _probe_step(net: _Net, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+    optimizer.zero_grad(set_to_none=set_to_none)
+    net(torch.randn(64, 256)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 123.0
+
+
+def _state(net: _Net, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "params": {n: p.detach().clone() for n, p in net.named_parameters()},
+        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in net.named_parameters()},
+        "buffers": {n: b.clone() for n, b in net.named_buffers()},
+        "optimizer": {
+            id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for p, s in optimizer.state.items()
+        },
+        "lr": optimizer.param_groups[0]["lr"],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for name in ("params", "buffers"):
+        assert a[name].keys() == b[name].keys()
+        for key in a[name]:
+            assert torch.equal(a[name][key], b[name][key]), f"{name} {key}"
+    for key in a["grads"]:
+        left, right = a["grads"][key], b["grads"][key]
+        assert (left is None) == (right is None), f"grad {key}"
+        assert left is None or torch.equal(left, right), f"grad {key}"
+    assert a["optimizer"].keys() == b["optimizer"].keys()
+    for pid in a["optimizer"]:
+        for key, value in a["optimizer"][pid].items():
+            other = b["optimizer"][pid][key]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+    assert a["lr"] == b["lr"]
+    assert torch.equal(a["rng"], b["rng"])
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["zero_grad_to_none", "zero_grad_in_place"])
+def test_probes_between_capture_and_restore_leave_no_trace(set_to_none: bool) -> None:
+    net, optimizer = _trained()
+    before = _state(net, optimizer)
+    grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
+    state_tensors = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    for _ in range(2):  # two probes, each followed by the between-probes restore
+        net.train()
+        _probe_step(net, optimizer, set_to_none)
+        snap.restore(gradients=False)
+        assert all(p.grad is None for p in net.parameters()), "between probes the gradients are empty"
+    snap.restore()
+    _assert_same(before, _state(net, optimizer))
+    # host gradients come back as the very tensors the parameters held, never copied
+    for name, param in net.named_parameters():
+        if name in grads:
+            assert param.grad is grads[name]
+    # optimizer-state tensors were written back in place
+    now = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    assert all(a is b for a, b in zip(state_tensors, now, strict=True))
+
+
+def test_host_gradients_are_held_not_copied() -> None:
+    net, optimizer = _trained()
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    assert all(p.grad is None for p in trainable), "capture takes host gradients off their parameters"
+    param_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in net.buffers())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    state_bytes = sum(v.numel() * v.element_size() for v in state)
+    assert snap.nbytes == param_bytes + buffer_bytes + state_bytes  # no gradient bytes copied
+    snap.restore()
+    assert all(p.grad is not None for p in trainable)
+
+
+def test_a_capture_that_fails_leaves_the_gradients_on_their_parameters() -> None:
+    net, optimizer = _trained()
+    grads = [p.grad for p in net.parameters()]
+
+    class Broken:
+        def state_dict(self) -> dict[str, Any]:
+            raise RuntimeError("cannot save this")
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - never reached
+            pass
+
+    with pytest.raises(RuntimeError, match="cannot save this"):
+        TrainingSnapshot.capture(net, optimizers=[optimizer], stateful=[Broken()])
+    assert all(p.grad is g for p, g in zip(net.parameters(), grads, strict=True))
+
+
+def test_frozen_parameters_are_not_copied() -> None:
+    net, optimizer = _trained()
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    captured = {id(entry.param) for entry in snap.params}
+    assert id(net.frozen.weight) not in captured and id(net.frozen.bias) not in captured
+    assert id(net.head.weight) in captured
