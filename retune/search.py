@@ -231,7 +231,11 @@ def _model_next(
         if lo is None:
             candidate = hi // 2 if hi is not None else plan.start
         elif hi is not None:
-            # bracketed without a line: a second, smaller point gives one (a failure may leave no peak)
+            # bracketed without a line: a second point gives one (a failure may leave no peak). The
+            # plan's second size comes first: it lies further up the memory curve than lo // 2, where
+            # the optimizer step's flat peak can hide the per-sample slope
+            if plan.then is not None and lo < plan.then < hi and plan.then not in points:
+                return plan.then
             smaller = max(1, lo // 2)
             if lo > 1 and smaller not in points:
                 return smaller

@@ -98,7 +98,7 @@ class TrainingSnapshot:
         params: list[tuple[nn.Parameter, int, int | None]] = []
         for param in module.parameters() if include_params else ():
             if param.requires_grad or param.grad is not None:
-                if param.grad is not None and param.grad.device.type == "cpu":
+                if param.grad is not None and _holds_gradient(param.grad):
                     # taken off its parameter at the end, once nothing here can fail any more
                     snap.params.append(_ParamState(param, param.data, param.grad, grad_is_held=True))
                     continue  # its data is copied below, with the others
@@ -194,6 +194,13 @@ class TrainingSnapshot:
         _set_rng_state(self.rng)
         for generator, gen_state in self.generators:
             generator.set_state(gen_state)
+
+
+def _holds_gradient(grad: torch.Tensor) -> bool:
+    """Keep this gradient by reference rather than copy it: it already lives in host memory, so a copy
+    would only cost time. A device gradient is copied, so that it does not hold device memory the
+    probe should have."""
+    return grad.device.type == "cpu"
 
 
 _METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")

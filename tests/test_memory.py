@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
 from retune.memory import CpuPeakTracker, measure_peak, resident_bytes
-from retune.search import MemoryModel, SearchPlan, run_model_search
+from retune.search import MemoryModel, SearchPlan, SearchResult, plan_search, run_model_search
 from tests.lightning_ns import pl
 
 MiB = 2**20
@@ -210,3 +210,32 @@ def test_model_search_reports_nothing_fits() -> None:
     result = run_model_search(SearchPlan("model", 8, 25, 0.0, 8192), lambda s: (False, int(5e6 + s)), 3_000_000)
     assert result.size is None
     assert min(t.batch_size for t in result.trials) == 1
+
+
+def test_model_retune_after_unfreeze_measures_up_the_curve_past_a_flat_peak() -> None:
+    # Memory after an unfreeze: the optimizer step's peak (2 MB) is flat up to 200 samples, then the
+    # activations take over at 4 kB per sample; a real OOM (no peak) above the 4 MB capacity. The
+    # re-tune plan measures old max / 8 and then old max / 4: both on the growing part, so the line
+    # through them is exact and its prediction is the answer. Measuring old max / 16 instead (flat)
+    # would underestimate the slope and overshoot into OOMs (the benchmark's MLP took 6 trials so).
+    capacity = 4_000_000
+
+    def measure(size: int) -> tuple[bool, int | None]:
+        peak = max(2_000_000, 1_200_000 + 4000 * size)
+        return (True, peak) if peak <= capacity else (False, None)
+
+    previous = SearchResult(size=2067, max_fitting=2067, min_failing=2068, trials=[])
+    plan = plan_search(
+        mode="model",
+        init_val=2,
+        max_trials=25,
+        margin=0.0,
+        max_val=8192,
+        dataset_len=None,
+        warm_start=True,
+        previous=previous,
+        direction="down",
+    )
+    result = run_model_search(plan, measure, capacity)
+    assert result.size == 700
+    assert [t.batch_size for t in result.trials] == [258, 516, 700]

@@ -37,11 +37,11 @@ Decisions (all apply equally to retune and Lightning; see tests/benchmarks/READM
     From then on the batch is device memory until it is freed, like the device copy of a GPU
     run. Without this, a batch a loop merely holds on to (Lightning's fetcher prefetches the next
     one) would be charged, which on a GPU it is not;
-  - retune's snapshot: on a GPU its copies (``retune.snapshot._host_copy``: ``.to("cpu",
-    copy=True)``) take no device memory; on CPU they are ``clone()``s, so
-    :func:`host_copies_off_device` runs ``_host_copy`` in :func:`host_memory`. Restoring writes
-    them back in place (no new storage), except a gradient that must be re-created, which is
-    charged.
+  - retune's snapshot: on a GPU its copies (``retune.snapshot.host_copies``, device to host)
+    take no device memory; on CPU they would be CPU tensors, so :func:`host_copies_off_device`
+    makes them in :func:`host_memory`, and has gradients copied like the rest rather than held by
+    reference (as on a GPU). Restoring writes them back in place (no new storage), except a
+    gradient that must be re-created, which is charged.
 * **Lightning's checkpoint.** ``torch.save`` writes to disk and allocates nothing. ``torch.load``
   builds new storages, and the oracle charges them: on a GPU Lightning's finder restores with
   ``map_location`` = the strategy's root device, so the loaded checkpoint does occupy device memory
@@ -189,26 +189,31 @@ class CapacityOracle(TorchDispatchMode):  # type: ignore[misc]
 
 @contextmanager
 def host_copies_off_device() -> Iterator[None]:
-    """Do not charge retune's snapshot copies to the simulated device (they live in host memory).
+    """Keep retune's snapshot off the simulated device, as it is off a real GPU.
 
-    On a GPU ``retune.snapshot._host_copy`` copies device tensors to the CPU, so the snapshot takes
-    no device memory. On this CPU-only machine the same function is a ``clone()`` that the oracle
-    would charge to the simulated device, penalising retune for memory a GPU run would not use. The
-    benchmark (and only the benchmark) wraps it to pause the oracle while it runs.
+    On a GPU the snapshot copies device tensors into host memory (``retune.snapshot.host_copies``)
+    and copies device gradients too, so it takes no device memory. On this CPU-only machine the
+    copies would be CPU tensors the oracle charges, and CPU gradients are held by reference instead
+    of copied (``retune.snapshot._holds_gradient``), which would keep them charged during probes.
+    The benchmark (and only the benchmark) makes both behave as on a GPU: the copies are made with
+    the oracle paused, and gradients are copied off the device like any other state.
     """
     import retune.snapshot as snapshot
 
-    original = snapshot._host_copy
+    original = snapshot.host_copies
 
-    def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    def host_copies(tensors: Any) -> list[torch.Tensor]:
         with host_memory():
-            return original(tensor)
+            return original(tensors)
 
-    snapshot._host_copy = _host_copy
+    original_holds = snapshot._holds_gradient
+    snapshot.host_copies = host_copies  # type: ignore[assignment]
+    snapshot._holds_gradient = lambda grad: False
     try:
         yield
     finally:
-        snapshot._host_copy = original
+        snapshot.host_copies = original
+        snapshot._holds_gradient = original_holds
 
 
 @contextmanager
