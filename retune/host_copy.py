@@ -7,10 +7,11 @@ benchmark's 50M-parameter model that made capturing five times slower than resto
 into memory that already existed.
 
 So a snapshot asks for all its copies at once: one block, laid out up front, with each copy a view
-into it. On the CPU the block is an anonymous ``mmap`` advised for transparent huge pages (2 MiB
-pages, 512 times fewer faults) where the kernel allows it; when any source lives on a CUDA device it
-is a pinned block from torch's caching host allocator, so device-to-host copies run asynchronously
-(one synchronisation at the end) and a re-tune reuses the pinned pages of the previous snapshot.
+into it. The block is an anonymous ``mmap`` advised for transparent huge pages (2 MiB pages, 512
+times fewer faults) where the kernel allows it. Device tensors are copied into the same kind of
+block. Pinned memory would make those copies faster, but torch's caching host allocator keeps
+freed pinned blocks cached until it is told to release them, and a snapshot the size of the
+trainable state is too much page-locked host memory to keep between searches hours apart.
 """
 
 from __future__ import annotations
@@ -53,23 +54,21 @@ def _cpu_block(nbytes: int) -> torch.Tensor:
 def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Detached host copies of ``tensors``, in order, sharing one host allocation where possible.
 
-    Each copy is contiguous and has its source's shape and dtype. Sources on the CPU and on CUDA may
-    be mixed. Tensors a byte block cannot hold (sparse, quantized) are cloned on their own.
+    Each copy is contiguous and has its source's shape and dtype. Sources on the CPU and on a device
+    may be mixed. Tensors a byte block cannot hold (sparse, quantized) and sets under 1 MiB in all
+    are cloned one by one.
     """
     offsets: list[int | None] = []
     total = 0
-    any_cuda = False
     for tensor in tensors:
         if _copyable_into_block(tensor):
             offsets.append(total)
             total += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
-            any_cuda = any_cuda or tensor.device.type == "cuda"
         else:
             offsets.append(None)
-    if total < _MIN_BLOCK and not any_cuda:
+    if total < _MIN_BLOCK:
         return [_clone_to_host(t) for t in tensors]
-    pinned = any_cuda and torch.cuda.is_available()
-    block = torch.empty(total, dtype=torch.uint8, pin_memory=True) if pinned else _cpu_block(total)
+    block = _cpu_block(total)
     copies: list[torch.Tensor] = []
     for tensor, offset in zip(tensors, offsets, strict=True):
         if offset is None:
@@ -77,8 +76,6 @@ def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             continue
         nbytes = tensor.numel() * tensor.element_size()
         view = block[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
-        view.copy_(tensor.detach(), non_blocking=pinned)
+        view.copy_(tensor.detach())  # synchronous from a device: the probe must not run before it lands
         copies.append(view)
-    if pinned:
-        torch.cuda.synchronize()  # the probe must not change a source before its copy has landed
     return copies
