@@ -277,12 +277,16 @@ def unshare_spawned_weights(trainer: Any, pl_module: Any) -> bool:
     """Give this rank its own copy of weights that ``ddp_spawn`` left in shared memory; True if any were.
 
     torch.multiprocessing moves every CPU tensor handed to a spawned process into shared memory, so
-    under pytorch-lightning < 2.1 all ranks train *one* set of CPU weights and race on every optimizer
-    step (Lightning issue #17399; 2.1 clones them in each process). A probe writes to the weights and
-    its snapshot reads them, so a rank could capture another rank's half-finished probe and "restore"
-    it. Cloning in ``setup``, before the optimizers and DDP exist, is what Lightning 2.1 does.
+    under pytorch-lightning < 2.1 all ranks of a CPU run train *one* set of weights and race on every
+    optimizer step (Lightning issue #17399; 2.1 clones them in each process). A probe writes to the
+    weights and its snapshot reads them, so a rank could capture another rank's half-finished probe
+    and "restore" it. Cloning in ``setup``, before the optimizers and DDP exist, is what Lightning 2.1
+    does, under the same conditions: the spawn start method on a CPU accelerator. Elsewhere shared
+    memory is the user's choice (``share_memory_()``) or is about to be moved to a GPU, and is left alone.
     """
-    if not is_distributed(trainer):
+    strategy = trainer.strategy
+    spawned_on_cpu = getattr(strategy, "_start_method", None) == "spawn" and strategy.root_device.type == "cpu"
+    if not (is_distributed(trainer) and spawned_on_cpu):
         return False
     tensors = [*pl_module.parameters(), *pl_module.buffers()]
     shared = [t for t in tensors if t.device.type == "cpu" and t.is_shared()]

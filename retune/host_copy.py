@@ -47,8 +47,9 @@ def _cpu_block(nbytes: int) -> torch.Tensor:
     if advice is not None:
         with contextlib.suppress(OSError):  # THP disabled in this kernel: still one block, small pages
             block.madvise(advice)
-    # the tensor holds the buffer export, so the mapping lives exactly as long as the views into it
-    return torch.frombuffer(block, dtype=torch.uint8)
+    # through a memoryview: an exported buffer makes mmap.close() refuse while any view lives, and the
+    # tensor keeps the memoryview (and so the mapping) alive exactly as long as the views into it
+    return torch.frombuffer(memoryview(block), dtype=torch.uint8)
 
 
 def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -159,6 +159,9 @@ class TrainingSnapshot:
     def restore(self, gradients: bool = True) -> None:
         """Write everything back. Safe to call several times (once after each probe).
 
+        A gradient held by reference goes back onto its parameter as the same tensor, so after a
+        restore with gradients the snapshot shares it with the run: restore with gradients last.
+
         ``gradients=False`` leaves the captured parameters' gradients empty (``None``) instead: the
         state between two probes, where the next probe's first step drops them anyway (Lightning
         calls ``zero_grad`` at the start of every accumulation window) and where a gradient held by
@@ -175,8 +178,8 @@ class TrainingSnapshot:
                     entry.param.grad = None
                 elif entry.param.grad is not None and entry.param.grad.shape == entry.grad.shape:
                     entry.param.grad.copy_(entry.grad)
-                else:
-                    entry.param.grad = entry.grad.to(entry.param.device, copy=True)
+                else:  # in the parameter's layout (channels_last): the host copy is contiguous
+                    entry.param.grad = torch.empty_like(entry.param.detach()).copy_(entry.grad)
             for sub, name, original, saved in self.buffers:
                 original.copy_(saved)
                 sub._buffers[name] = original
@@ -199,8 +202,9 @@ class TrainingSnapshot:
 def _holds_gradient(grad: torch.Tensor) -> bool:
     """Keep this gradient by reference rather than copy it: it already lives in host memory, so a copy
     would only cost time. A device gradient is copied, so that it does not hold device memory the
-    probe should have."""
-    return grad.device.type == "cpu"
+    probe should have; so is a view (DDP's ``gradient_as_bucket_view``, flat gradient buffers), whose
+    memory other steps write into while it is off its parameter."""
+    return grad.device.type == "cpu" and not grad._is_view()
 
 
 _METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")

@@ -111,3 +111,21 @@ def test_ddp_spawn_agrees_on_the_smaller_capacity(runs: dict[str, Any]) -> None:
     # each rank trains its own copy of the weights: pytorch-lightning < 2.1 leaves them in memory shared
     # by all spawned ranks (Lightning #17399), where one rank's probe would be another rank's snapshot
     assert rank0["weights_shared_at_fit_start"] is False and rank1["weights_shared_at_fit_start"] is False
+
+
+@pytest.mark.parametrize(("strategy", "unshared"), [("ddp_spawn", True), ("ddp", False)])
+def test_only_spawned_cpu_weights_are_unshared(strategy: str, unshared: bool) -> None:
+    # Lightning < 2.1 leaves ddp_spawn's CPU weights shared by all ranks (#17399): the finder gives each
+    # rank its own copy. Weights a user shared on purpose under another launcher are left alone.
+    import torch
+
+    from retune import compat
+    from tests.lightning_ns import pl
+
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)  # not launched
+    model = torch.nn.Linear(4, 4)
+    model.share_memory()
+    weight = model.weight
+    assert compat.unshare_spawned_weights(trainer, model) is unshared
+    assert model.weight is weight, "the Parameter objects stay; only their storage is replaced"
+    assert all(p.is_shared() is not unshared for p in model.parameters())

@@ -187,3 +187,50 @@ def test_frozen_parameters_are_not_copied() -> None:
     captured = {id(entry.param) for entry in snap.params}
     assert id(net.frozen.weight) not in captured and id(net.frozen.bias) not in captured
     assert id(net.head.weight) in captured
+
+
+def test_gradient_views_are_copied_not_held(tmp_path: Any) -> None:
+    # DDP's gradient_as_bucket_view makes every .grad a view into the reducer's flat bucket, which the
+    # next synchronised backward writes into: such a gradient must be copied, not set aside.
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        ddp = nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(3):  # DDP rebuilds its buckets after the first step
+            optimizer.zero_grad(set_to_none=True)
+            ddp(torch.randn(8, 64)).sum().backward()
+            optimizer.step()
+        ddp(torch.randn(8, 64)).sum().backward()  # gradients of a step not yet taken
+        assert all(p.grad is not None and p.grad._is_view() for p in net.parameters())
+        before = [p.grad.clone() for p in net.parameters()]
+        snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+        optimizer.zero_grad(set_to_none=True)
+        ddp(torch.randn(32, 64) * 10).pow(2).sum().backward()  # writes the bucket
+        optimizer.step()
+        snap.restore(gradients=False)
+        snap.restore()
+        assert all(torch.equal(a, p.grad) for a, p in zip(before, net.parameters(), strict=True))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_copied_gradients_come_back_in_the_parameter_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # device gradients are copied to a contiguous host block; the restored one must be channels_last
+    # again where the parameter is (as on a GPU, simulated by not holding host gradients)
+    import retune.snapshot as snapshot
+
+    monkeypatch.setattr(snapshot, "_holds_gradient", lambda grad: False)
+    conv = nn.Conv2d(256, 256, 3).to(memory_format=torch.channels_last)
+    conv(torch.randn(2, 256, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    assert conv.weight.grad is not None
+    expected = conv.weight.grad.clone()
+    snap = TrainingSnapshot.capture(conv)
+    conv.weight.grad = None
+    snap.restore()
+    assert torch.equal(conv.weight.grad, expected)
+    assert conv.weight.grad.stride() == conv.weight.stride()
+
