@@ -93,67 +93,45 @@ class TrainingSnapshot:
         probe cannot change parameters, so it passes ``include_params=False`` and copies none.
         """
         snap = cls()
-        # the tensors go first into a list, so that all their host copies share one allocation
-        sources: list[torch.Tensor] = []
-        params: list[tuple[nn.Parameter, int, int | None]] = []
-        for param in module.parameters() if include_params else ():
-            if param.requires_grad or param.grad is not None:
-                if param.grad is not None and _holds_gradient(param.grad):
-                    # taken off its parameter at the end, once nothing here can fail any more
-                    snap.params.append(_ParamState(param, param.data, param.grad, grad_is_held=True))
-                    continue  # its data is copied below, with the others
-                grad_at = None if param.grad is None else len(sources) + 1
-                params.append((param, len(sources), grad_at))
-                sources += [param.data] if param.grad is None else [param.data, param.grad]
-        held = [(i, entry.param.data) for i, entry in enumerate(snap.params)]
-        held_at = len(sources)
-        sources += [data for _, data in held]
-        buffers: list[tuple[nn.Module, str, torch.Tensor, int]] = []
+        trainable = [p for p in module.parameters() if p.requires_grad or p.grad is not None] if include_params else []
+        held = [p for p in trainable if p.grad is not None and _holds_gradient(p.grad)]
+        held_ids = {id(p) for p in held}
+        buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
         for sub in module.modules():
             snap.modes.append((sub, sub.training))
-            for name, buf in sub._buffers.items():
-                if buf is not None:
-                    buffers.append((sub, name, buf, len(sources)))
-                    sources.append(buf)
+            buffers += [(sub, name, buf) for name, buf in sub._buffers.items() if buf is not None]
             if _is_metric(sub):
                 snap.metrics.append((sub, _metric_state(sub)))
-        optimizer_states: list[tuple[torch.optim.Optimizer, dict[Any, dict[str, Any]]]] = []
-        for optimizer in optimizers:
-            state: dict[Any, dict[str, Any]] = {}
-            for p, entries in optimizer.state.items():
-                saved: dict[str, Any] = {}
-                for key, value in entries.items():
-                    if isinstance(value, torch.Tensor):
-                        saved[key] = _TensorCopy(value, value)  # host filled in below
-                        sources.append(value)
-                    else:
-                        saved[key] = copy.deepcopy(value)
-                state[p] = saved
-            optimizer_states.append((optimizer, state))
-        copies = host_copies(sources)
-        host_of = {id(source): copy_ for source, copy_ in zip(sources, copies, strict=True)}
-        snap.nbytes = sum(t.numel() * t.element_size() for t in sources)
-        for offset, (i, _) in enumerate(held):
-            snap.params[i].data = copies[held_at + offset]
-        snap.params += [
-            _ParamState(param, copies[at], None if grad_at is None else copies[grad_at])
-            for param, at, grad_at in params
+        state_tensors = [
+            value
+            for optimizer in optimizers
+            for entries in optimizer.state.values()
+            for value in entries.values()
+            if isinstance(value, torch.Tensor)
         ]
-        snap.buffers = [(sub, name, buf, copies[at]) for sub, name, buf, at in buffers]
-        for optimizer, state in optimizer_states:
-            for saved in state.values():
-                for value in saved.values():
-                    if isinstance(value, _TensorCopy):
-                        value.host = host_of[id(value.original)]
+        # every tensor to copy, each once, so that all host copies share one allocation
+        copied_grads = [p.grad for p in trainable if p.grad is not None and id(p) not in held_ids]
+        tensors = [*trainable, *copied_grads, *(buf for _, _, buf in buffers), *state_tensors]
+        sources = list({id(t): t for t in tensors}.values())
+        host = {id(t): c for t, c in zip(sources, host_copies(sources), strict=True)}
+        snap.nbytes = sum(t.numel() * t.element_size() for t in sources)
+        snap.params = [
+            _ParamState(p, host[id(p)], p.grad, grad_is_held=True)
+            if id(p) in held_ids
+            else _ParamState(p, host[id(p)], None if p.grad is None else host[id(p.grad)])
+            for p in trainable
+        ]
+        snap.buffers = [(sub, name, buf, host[id(buf)]) for sub, name, buf in buffers]
+        for optimizer in optimizers:
+            state = {p: {k: _saved(v, host) for k, v in entries.items()} for p, entries in optimizer.state.items()}
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             snap.optimizers.append(_OptimizerState(optimizer, state, groups))
         snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in stateful]
         snap.counters = [(obj, name, copy.deepcopy(getattr(obj, name))) for obj, name in counters]
         snap.rng = _rng_state()
         snap.generators = [(g, g.get_state()) for g in generators]
-        for entry in snap.params:
-            if entry.grad_is_held:
-                entry.param.grad = None
+        for param in held:  # only now: nothing above can fail any more
+            param.grad = None
         return snap
 
     def restore(self, gradients: bool = True) -> None:
@@ -197,6 +175,11 @@ class TrainingSnapshot:
         _set_rng_state(self.rng)
         for generator, gen_state in self.generators:
             generator.set_state(gen_state)
+
+
+def _saved(value: Any, host: dict[int, torch.Tensor]) -> Any:
+    """An optimizer-state entry as the snapshot keeps it: a tensor with its host copy, else a deep copy."""
+    return _TensorCopy(value, host[id(value)]) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 def _holds_gradient(grad: torch.Tensor) -> bool:
