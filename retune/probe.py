@@ -4,7 +4,9 @@ A trial sets the batch-size attribute, asks the user's ``train_dataloader()`` fo
 size, and runs ``steps_per_trial`` real steps (forward, backward, optimizer step under the
 trainer's strategy and precision). The first step allocates optimizer state exactly as training
 will, so the memory measured is the memory the run needs. Between trials and at the end of the
-search, the snapshot taken before the first trial is restored.
+search, the snapshot taken before the first trial is restored: each trial after the first starts
+with a reset to it, and the session ends with the final restore (a trial's leftovers are never
+copied back just to be overwritten by the next one).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Prober:
         self.peaks: list[int | None] = []
         """Measured peak of each trial, in order (None where no statistic exists or the trial hit a real OOM)."""
         self._snapshot: TrainingSnapshot | None = None
+        self._trials_run = 0  # in the current session
 
     @contextmanager
     def session(self) -> Iterator[Callable[[int], bool]]:
@@ -84,6 +87,7 @@ class Prober:
             counters=compat.loop_counters(trainer) if training else [],
             include_params=training,
         )
+        self._trials_run = 0
         try:
             yield self.fits
         finally:
@@ -129,6 +133,9 @@ class Prober:
     def _local_trial(self, size: int) -> tuple[str, int | None, BaseException | None]:
         """This process's trial: ``("fits" | "oom" | "error", peak, the error to re-raise)``."""
         assert self._snapshot is not None, "measure() is only valid inside session()"
+        if self._trials_run:
+            self._snapshot.reset()  # start from the captured state, not the previous trial's
+        self._trials_run += 1
         compat.set_batch_attr(self.trainer, self.pl_module, self.batch_arg_name, size)
         generators: list[tuple[torch.Generator, torch.Tensor]] = []
         status, error, peak = "fits", None, None
@@ -148,7 +155,6 @@ class Prober:
                     optimizer.zero_grad(set_to_none=True)
             loader = None
             _free_memory(collect=status == "oom")
-            self._snapshot.restore(gradients=False)  # the gradients go back when the session ends
             for generator, state in generators:
                 generator.set_state(state)
         return status, (peak if status == "fits" else None), error

@@ -1,13 +1,10 @@
 """Capture what a probe step can change, and put it back bit for bit.
 
 Lightning's finder saves a full checkpoint to disk and loads it back. A probe can only change
-what an optimizer step and a forward pass touch, so this snapshot copies exactly that:
+what an optimizer step and a forward pass touch, so this snapshot keeps exactly that:
 
 * parameters that can receive a gradient (``requires_grad``, or already holding a ``.grad``) and
-  their gradients; frozen parameters are left alone, so a frozen backbone costs nothing. Gradients
-  in host memory are not copied at all: capture takes the tensor off its parameter and restore
-  puts the same tensor back, so no probe step can write into it (device gradients are copied to
-  the host, so that they do not take device memory from the probe);
+  their gradients; frozen parameters are left alone, so a frozen backbone costs nothing;
 * all buffers (batch-norm statistics move in any training forward) and train/eval flags;
 * torchmetrics states (plain attributes, not buffers: a ``Metric`` updated in ``training_step``,
   as every Flash Task does, would otherwise count the probe's batches in the epoch's value);
@@ -15,11 +12,22 @@ what an optimizer step and a forward pass touch, so this snapshot copies exactly
 * RNG states (python, numpy, torch, CUDA) and any extra generators (a sampler's own generator);
 * any extra ``state_dict``/``load_state_dict`` objects (the loops' progress counters).
 
-Copies live in host memory, so the snapshot does not take device memory away from the probe it
-protects, and all of them share one allocation (:mod:`retune.host_copy` says why that matters).
-Restoring writes back *in place*: parameter, buffer and optimizer-state tensors keep their
-identity, which matters to anything holding a reference (``LightningOptimizer`` shares the
-optimizer's ``state`` dict, DDP's reducer holds the parameters).
+A search is one :meth:`TrainingSnapshot.capture`, a :meth:`~TrainingSnapshot.reset` before every
+probe but the first, and one :meth:`~TrainingSnapshot.restore` at the end. Tensors are kept one of
+two ways, and the difference is what each of those costs:
+
+* **held** (in host memory already: a CPU run's parameters and optimizer state): the run's own
+  tensor is set aside untouched and the probes run on a copy: capture moves the parameter
+  (``param.data``) and the optimizer-state entry onto the copy, and the final restore moves them
+  back, which copies nothing. The run ends the search on the very storage it started with.
+  Gradients in host memory are held too, without any copy: the probes run with gradients empty.
+* **copied** (device tensors, buffers, and tensors whose memory other tensors share): a host copy,
+  written back in place, so the tensor keeps its identity and storage (``LightningOptimizer``
+  shares the optimizer's ``state`` dict, DDP's reducer holds the parameters and may hold views of
+  the gradients). Host memory, so that the snapshot does not take device memory from the probe.
+
+All copies share one host allocation, each with a storage of its own (:mod:`retune.host_copy`
+says why that matters).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import copy
 import random
 import sys
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,35 +47,60 @@ from retune.host_copy import host_copies
 
 
 @dataclass
-class _ParamState:
-    param: nn.Parameter
-    data: torch.Tensor
-    grad: torch.Tensor | None
-    grad_is_held: bool = False  # ``grad`` is the parameter's own gradient tensor, not a copy
+class _Kept:
+    """One tensor of the run's state and its copy; ``held`` says which of the two the probes use."""
+
+    original: torch.Tensor  # the run's tensor (for a parameter: an alias of its data)
+    copy: torch.Tensor
+    held: bool  # True: probes run on ``copy`` and ``original`` is set aside; False: ``copy`` is a backup
+
+    def for_probe(self) -> torch.Tensor:
+        """Put the captured values where the next probe reads them; return the tensor the run must use."""
+        if self.held:
+            self.copy.copy_(self.original)
+            return self.copy
+        self.original.copy_(self.copy)
+        return self.original
+
+    def for_run(self) -> torch.Tensor:
+        """Put the captured values back into the run's own tensor (for a held one: nothing to copy)."""
+        if not self.held:
+            self.original.copy_(self.copy)
+        return self.original
 
 
 @dataclass
-class _TensorCopy:
-    """An optimizer-state tensor and its host copy (a marker no user state value can be mistaken for)."""
-
-    original: torch.Tensor
-    host: torch.Tensor
+class _ParamState:
+    param: nn.Parameter
+    data: _Kept
+    grad: torch.Tensor | None  # the parameter's own gradient when ``grad_is_held``, else a host copy
+    grad_is_held: bool = False
 
 
 @dataclass
 class _OptimizerState:
     optimizer: torch.optim.Optimizer
-    # per parameter: key -> _TensorCopy (written back in place) or a plain value
+    # per parameter: key -> _Kept (a tensor) or a plain value
     state: dict[Any, dict[str, Any]]
     groups: list[dict[str, Any]]
 
 
 @dataclass
 class TrainingSnapshot:
-    """An in-memory copy of the state a probe can change. Create with :meth:`capture`."""
+    """An in-memory copy of the state a probe can change. Create with :meth:`capture`.
+
+    Example::
+
+        snap = TrainingSnapshot.capture(model, optimizers=[optimizer])
+        for size in sizes:
+            if tried_one:
+                snap.reset()  # start this probe from the captured state
+            run_probe(size)
+        snap.restore()  # the run continues as if no probe had happened
+    """
 
     params: list[_ParamState] = field(default_factory=list)
-    buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    buffers: list[tuple[nn.Module, str, _Kept]] = field(default_factory=list)
     modes: list[tuple[nn.Module, bool]] = field(default_factory=list)
     optimizers: list[_OptimizerState] = field(default_factory=list)
     stateful: list[tuple[Any, Any]] = field(default_factory=list)
@@ -75,6 +109,7 @@ class TrainingSnapshot:
     rng: dict[str, Any] = field(default_factory=dict)
     generators: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)
     nbytes: int = 0
+    held_bytes: int = 0
 
     @classmethod
     def capture(
@@ -86,7 +121,7 @@ class TrainingSnapshot:
         generators: Iterable[torch.Generator] = (),
         include_params: bool = True,
     ) -> TrainingSnapshot:
-        """Copy the changeable state of ``module`` and ``optimizers``.
+        """Copy the changeable state of ``module`` and ``optimizers``; the run continues on held copies.
 
         ``stateful`` objects (LR schedulers, grad scaler, loop progress) are saved through their own
         ``state_dict()``; ``counters`` are ``(object, attribute)`` pairs of plain values. An evaluation
@@ -94,8 +129,8 @@ class TrainingSnapshot:
         """
         snap = cls()
         trainable = [p for p in module.parameters() if p.requires_grad or p.grad is not None] if include_params else []
-        held = [p for p in trainable if p.grad is not None and _holds_gradient(p.grad)]
-        held_ids = {id(p) for p in held}
+        held_grads = [p for p in trainable if p.grad is not None and _host_resident(p.grad)]
+        held_grad_ids = {id(p) for p in held_grads}
         buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
         for sub in module.modules():
             snap.modes.append((sub, sub.training))
@@ -109,46 +144,84 @@ class TrainingSnapshot:
             for value in entries.values()
             if isinstance(value, torch.Tensor)
         ]
-        # every tensor to copy, each once, so that all host copies share one allocation
-        copied_grads = [p.grad for p in trainable if p.grad is not None and id(p) not in held_ids]
-        tensors = [*trainable, *copied_grads, *(buf for _, _, buf in buffers), *state_tensors]
-        sources = list({id(t): t for t in tensors}.values())
-        host = {id(t): c for t, c in zip(sources, host_copies(sources), strict=True)}
-        snap.nbytes = sum(t.numel() * t.element_size() for t in sources)
+        copied_grads = [p.grad for p in trainable if p.grad is not None and id(p) not in held_grad_ids]
+        # every tensor to keep, each once; a tensor can be held only if no other tensor of the run shares
+        # its memory (a probe's writes through the other one would reach the set-aside original)
+        sources = list({id(t): t for t in [*trainable, *state_tensors, *copied_grads]}.values())
+        users = Counter(
+            _storage_ptr(t)
+            for t in [*module.parameters(), *(buf for _, _, buf in buffers), *state_tensors, *copied_grads]
+        )
+        holdable = [t for t in sources if _can_hold(t) and users[_storage_ptr(t)] == 1]
+        holdable_ids = {id(t) for t in holdable}
+        others = [t for t in sources if id(t) not in holdable_ids] + [buf for _, _, buf in buffers]
+        others = list({id(t): t for t in others}.values())
+        kept_tensors = [*holdable, *others]
+        copies = dict(zip(map(id, kept_tensors), host_copies(kept_tensors), strict=True))
+        snap.held_bytes = sum(_nbytes(t) for t in holdable)
+        snap.nbytes = snap.held_bytes + sum(_nbytes(t) for t in others)
+
+        def kept(tensor: torch.Tensor) -> _Kept:
+            original = tensor.data if isinstance(tensor, nn.Parameter) else tensor
+            return _Kept(original, copies[id(tensor)], held=id(tensor) in holdable_ids)
+
         snap.params = [
-            _ParamState(p, host[id(p)], p.grad, grad_is_held=True)
-            if id(p) in held_ids
-            else _ParamState(p, host[id(p)], None if p.grad is None else host[id(p.grad)])
+            _ParamState(p, kept(p), p.grad, grad_is_held=True)
+            if id(p) in held_grad_ids
+            else _ParamState(p, kept(p), None if p.grad is None else copies[id(p.grad)])
             for p in trainable
         ]
-        snap.buffers = [(sub, name, buf, host[id(buf)]) for sub, name, buf in buffers]
+        snap.buffers = [(sub, name, kept(buf)) for sub, name, buf in buffers]
         for optimizer in optimizers:
-            state = {p: {k: _saved(v, host) for k, v in entries.items()} for p, entries in optimizer.state.items()}
+            state = {
+                p: {k: kept(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in entries.items()}
+                for p, entries in optimizer.state.items()
+            }
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             snap.optimizers.append(_OptimizerState(optimizer, state, groups))
         snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in stateful]
         snap.counters = [(obj, name, copy.deepcopy(getattr(obj, name))) for obj, name in counters]
         snap.rng = _rng_state()
         snap.generators = [(g, g.get_state()) for g in generators]
-        for param in held:  # only now: nothing above can fail any more
-            param.grad = None
+        # only now, when nothing above can fail any more: move the run onto the held copies
+        with torch.no_grad():
+            for param in held_grads:
+                param.grad = None
+            for entry in snap.params:
+                if entry.data.held:
+                    entry.param.data = entry.data.copy
+            for opt in snap.optimizers:
+                for p, saved in opt.state.items():
+                    for key, value in saved.items():
+                        if isinstance(value, _Kept) and value.held:
+                            opt.optimizer.state[p][key] = value.copy
         return snap
 
-    def restore(self, gradients: bool = True) -> None:
-        """Write everything back. Safe to call several times (once after each probe).
+    def reset(self) -> None:
+        """Start the next probe from the captured state: the state between two probes.
 
-        A gradient held by reference goes back onto its parameter as the same tensor, so after a
-        restore with gradients the snapshot shares it with the run: restore with gradients last.
-
-        ``gradients=False`` leaves the captured parameters' gradients empty (``None``) instead: the
-        state between two probes, where the next probe's first step drops them anyway (Lightning
-        calls ``zero_grad`` at the start of every accumulation window) and where a gradient held by
-        reference must not be attached, since a step could write into it.
+        The captured parameters' gradients are left empty (``None``): the next probe's first step drops
+        them anyway (Lightning calls ``zero_grad`` at the start of every accumulation window), and a
+        gradient held by reference must not be attached, since a step could write into it.
         """
+        self._put_back(final=False)
+
+    def restore(self) -> None:
+        """Hand the captured state back to the run: its own tensors, values and gradients, as captured.
+
+        Call it once the probes are over (calling it again is harmless; :meth:`reset` after it moves
+        the run back onto the probes' copies). A gradient held by reference goes back onto its
+        parameter as the same tensor.
+        """
+        self._put_back(final=True)
+
+    def _put_back(self, final: bool) -> None:
         with torch.no_grad():
             for entry in self.params:
-                entry.param.data.copy_(entry.data)
-                if not gradients:
+                data = entry.data.for_run() if final else entry.data.for_probe()
+                if entry.data.held:
+                    entry.param.data = data
+                if not final:
                     entry.param.grad = None
                 elif entry.grad_is_held:
                     entry.param.grad = entry.grad
@@ -158,13 +231,12 @@ class TrainingSnapshot:
                     entry.param.grad.copy_(entry.grad)
                 else:  # in the parameter's layout (channels_last): the host copy is contiguous
                     entry.param.grad = torch.empty_like(entry.param.detach()).copy_(entry.grad)
-            for sub, name, original, saved in self.buffers:
-                original.copy_(saved)
-                sub._buffers[name] = original
+            for sub, name, buffer in self.buffers:
+                sub._buffers[name] = buffer.for_run()
         for sub, training in self.modes:
             sub.training = training
         for opt in self.optimizers:
-            _restore_optimizer(opt)
+            _restore_optimizer(opt, final)
         for obj, state in self.stateful:
             obj.load_state_dict(copy.deepcopy(state))
         for obj, name, value in self.counters:
@@ -177,17 +249,35 @@ class TrainingSnapshot:
             generator.set_state(gen_state)
 
 
-def _saved(value: Any, host: dict[int, torch.Tensor]) -> Any:
-    """An optimizer-state entry as the snapshot keeps it: a tensor with its host copy, else a deep copy."""
-    return _TensorCopy(value, host[id(value)]) if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
-def _holds_gradient(grad: torch.Tensor) -> bool:
-    """Keep this gradient by reference rather than copy it: it already lives in host memory, so a copy
-    would only cost time. A device gradient is copied, so that it does not hold device memory the
-    probe should have; so is a view (DDP's ``gradient_as_bucket_view``, flat gradient buffers), whose
-    memory other steps write into while it is off its parameter."""
-    return grad.device.type == "cpu" and not grad._is_view()
+def _storage_ptr(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage().data_ptr())
+
+
+def _host_resident(tensor: torch.Tensor) -> bool:
+    """Whether this tensor already lives in host memory, in memory of its own, so that the snapshot can
+    set it aside instead of copying it. A device tensor is copied to the host, so that the snapshot
+    does not hold device memory the probe should have; so is a view (DDP's
+    ``gradient_as_bucket_view``, flat gradient buffers), whose memory other tensors write into."""
+    return tensor.device.type == "cpu" and not tensor._is_view()
+
+
+def _can_hold(tensor: torch.Tensor) -> bool:
+    """A parameter or optimizer-state tensor that owns all of its storage, in host memory, in the plain
+    contiguous layout of its copy (so that the probes run on the same layout: channels_last stays)."""
+    return (
+        type(tensor) in (torch.Tensor, nn.Parameter)
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and _host_resident(tensor)
+        and tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == _nbytes(tensor)
+        and tensor.numel() > 0
+    )
 
 
 _METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")
@@ -205,16 +295,15 @@ def _metric_state(metric: Any) -> dict[str, Any]:
     return {name: copy.deepcopy(getattr(metric, name)) for name in names}
 
 
-def _restore_optimizer(opt: _OptimizerState) -> None:
+def _restore_optimizer(opt: _OptimizerState, final: bool) -> None:
     optimizer = opt.optimizer
     restored: dict[Any, dict[str, Any]] = {}
     with torch.no_grad():
         for p, saved in opt.state.items():
             entries: dict[str, Any] = {}
             for key, value in saved.items():
-                if isinstance(value, _TensorCopy):
-                    value.original.copy_(value.host)
-                    entries[key] = value.original
+                if isinstance(value, _Kept):
+                    entries[key] = value.for_run() if final else value.for_probe()
                 else:
                     entries[key] = copy.deepcopy(value)
             restored[p] = entries

@@ -2,7 +2,7 @@
 
 The end-to-end guarantee (a run with retune trains bit for bit like a run without it) lives in
 tests/test_no_trace.py; these tests pin the pieces: one host block for all copies, gradients held by
-reference instead of copied, and what ``restore(gradients=False)`` leaves between two probes.
+reference instead of copied, and what ``reset()`` leaves between two probes.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _storage_ptrs(tensors: list[torch.Tensor]) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
-def test_host_copies_are_equal_independent_and_share_one_block() -> None:
+def test_host_copies_are_equal_independent_and_laid_out_in_one_block() -> None:
     sources = [
         torch.randn(512, 512),  # 1 MiB: the set is large enough for one block
         torch.randn(64, 32).t(),  # not contiguous
@@ -34,7 +34,14 @@ def test_host_copies_are_equal_independent_and_share_one_block() -> None:
         torch.randn(3, dtype=torch.bfloat16),
     ]
     copies = host_copies(sources)
-    assert len(_storage_ptrs(copies)) == 1, "all copies are views into one host allocation"
+    filled = [c for c in copies if c.numel()]
+    starts = [c.untyped_storage().data_ptr() for c in filled]
+    span = max(p + c.untyped_storage().nbytes() for p, c in zip(starts, filled, strict=True)) - min(starts)
+    assert span <= sum(-(-c.numel() * c.element_size() // 64) * 64 for c in filled), "one host allocation"
+    # ... yet each copy is a tensor of its own, exactly its size, to anything that inspects storages
+    assert len(_storage_ptrs(filled)) == len(filled)
+    assert all(c.untyped_storage().nbytes() == c.numel() * c.element_size() for c in copies)
+    assert not any(c._is_view() for c in copies)
     for source, copy in zip(sources, copies, strict=True):
         assert copy.dtype == source.dtype and copy.shape == source.shape
         assert torch.equal(copy, source)
@@ -138,7 +145,7 @@ def test_probes_between_capture_and_restore_leave_no_trace(set_to_none: bool) ->
     for _ in range(2):  # two probes, each followed by the between-probes restore
         net.train()
         _probe_step(net, optimizer, set_to_none)
-        snap.restore(gradients=False)
+        snap.reset()
         assert all(p.grad is None for p in net.parameters()), "between probes the gradients are empty"
     snap.restore()
     _assert_same(before, _state(net, optimizer))
@@ -176,9 +183,13 @@ def test_a_capture_that_fails_leaves_the_gradients_on_their_parameters() -> None
         def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - never reached
             pass
 
+    ptrs = [p.data_ptr() for p in net.parameters()]
+    state = [v for s in optimizer.state.values() for v in s.values()]
     with pytest.raises(RuntimeError, match="cannot save this"):
         TrainingSnapshot.capture(net, optimizers=[optimizer], stateful=[Broken()])
     assert all(p.grad is g for p, g in zip(net.parameters(), grads, strict=True))
+    assert [p.data_ptr() for p in net.parameters()] == ptrs, "the run was not moved onto copies"
+    assert all(a is b for a, b in zip(state, [v for s in optimizer.state.values() for v in s.values()], strict=True))
 
 
 def test_frozen_parameters_are_not_copied() -> None:
@@ -211,7 +222,7 @@ def test_gradient_views_are_copied_not_held(tmp_path: Any) -> None:
         optimizer.zero_grad(set_to_none=True)
         ddp(torch.randn(32, 64) * 10).pow(2).sum().backward()  # writes the bucket
         optimizer.step()
-        snap.restore(gradients=False)
+        snap.reset()
         snap.restore()
         assert all(torch.equal(a, p.grad) for a, p in zip(before, net.parameters(), strict=True))
     finally:
@@ -223,7 +234,7 @@ def test_copied_gradients_come_back_in_the_parameter_layout(monkeypatch: pytest.
     # again where the parameter is (as on a GPU, simulated by not holding host gradients)
     import retune.snapshot as snapshot
 
-    monkeypatch.setattr(snapshot, "_holds_gradient", lambda grad: False)
+    monkeypatch.setattr(snapshot, "_host_resident", lambda tensor: False)
     conv = nn.Conv2d(256, 256, 3).to(memory_format=torch.channels_last)
     conv(torch.randn(2, 256, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
     assert conv.weight.grad is not None
@@ -234,3 +245,101 @@ def test_copied_gradients_come_back_in_the_parameter_layout(monkeypatch: pytest.
     assert torch.equal(conv.weight.grad, expected)
     assert conv.weight.grad.stride() == conv.weight.stride()
 
+
+def test_host_parameters_and_optimizer_state_are_held_and_handed_back() -> None:
+    # On the CPU the probes run on copies and the run's own tensors are set aside untouched, so the
+    # final restore copies nothing: it hands back the very storage each parameter started with.
+    net, optimizer = _trained()
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    ptrs = {id(p): p.data_ptr() for p in net.parameters()}
+    values = {id(p): p.detach().clone() for p in trainable}
+    state = {id(p): dict(s) for p, s in optimizer.state.items()}
+    state_values = {(id(p), k): v.clone() for p, s in optimizer.state.items() for k, v in s.items()}
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    assert snap.held_bytes > 0
+    assert all(p.data_ptr() != ptrs[id(p)] for p in trainable), "trainable parameters run on copies"
+    assert all(p.data_ptr() == ptrs[id(p)] for p in net.frozen.parameters()), "frozen ones are not touched"
+    originals = {(pid, k): v for pid, s in state.items() for k, v in s.items()}
+    for p, entries in optimizer.state.items():
+        assert all(v is not originals[(id(p), k)] for k, v in entries.items()), "optimizer state runs on copies"
+    for _ in range(3):
+        _probe_step(net, optimizer, set_to_none=True)
+        snap.reset()
+        for p in trainable:
+            assert torch.equal(p, values[id(p)]), "a reset starts the next probe from the captured values"
+    _probe_step(net, optimizer, set_to_none=True)
+    for key, value in originals.items():
+        assert torch.equal(value, state_values[key]), "no probe wrote into a set-aside original"
+    snap.restore()
+    assert {id(p): p.data_ptr() for p in net.parameters()} == ptrs
+    assert all(torch.equal(p, values[id(p)]) for p in trainable)
+    for p, entries in optimizer.state.items():
+        assert all(v is state[id(p)][k] for k, v in entries.items())
+    snap.restore()  # a second restore changes nothing
+    assert {id(p): p.data_ptr() for p in net.parameters()} == ptrs
+
+
+class _Shared(nn.Module):
+    """Parameters whose memory is shared or laid out in a way a contiguous copy would not keep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+        self.b.weight = nn.Parameter(self.a.weight.data)  # tied through the storage, not the object
+        flat = torch.zeros(2 * 64)
+        self.c = nn.Parameter(flat[:64])  # a view into a larger buffer
+        self.d = nn.Parameter(flat[64:])
+        self.conv = nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b(self.a(x)) + self.c + self.d
+        image = x.view(-1, 8, 4, 2).repeat(1, 1, 2, 2).contiguous(memory_format=torch.channels_last)
+        return y.sum() + self.conv(image).sum()
+
+
+def test_shared_or_strided_parameters_stay_in_place() -> None:
+    torch.manual_seed(0)
+    net = _Shared()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        optimizer.zero_grad()
+        net(torch.randn(4, 64)).backward()
+        optimizer.step()
+    in_place = [net.a.weight, net.b.weight, net.c, net.d, net.conv.weight]
+    ptrs = [p.data_ptr() for p in in_place]
+    before = _state_of(net)
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    assert [p.data_ptr() for p in in_place] == ptrs, "these parameters are copied and written back in place"
+    assert net.a.bias.data_ptr() != before["ptr a.bias"], "a parameter with memory of its own is held"
+    assert net.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    _ = net(torch.randn(4, 64)).backward()
+    optimizer.step()
+    assert net.a.weight.data_ptr() == net.b.weight.data_ptr(), "the tie holds during probes"
+    snap.reset()
+    snap.restore()
+    assert [p.data_ptr() for p in in_place] == ptrs
+    after = _state_of(net)
+    for name, value in before.items():
+        if not name.startswith("ptr"):
+            assert torch.equal(value, after[name]), name
+
+
+def _state_of(net: nn.Module) -> dict[str, Any]:
+    out: dict[str, Any] = {name: p.detach().clone() for name, p in net.named_parameters(remove_duplicate=False)}
+    out.update({f"ptr {name}": p.data_ptr() for name, p in net.named_parameters(remove_duplicate=False)})
+    return out
+
+
+def test_the_cpu_tracker_sees_the_same_resident_state_during_probes() -> None:
+    # the held copies share one allocation with the snapshot's backups, but each has a storage of its
+    # own, and the CPU peak tracker counts storages: it must see the run's state, not the whole block
+    from retune.memory import resident_bytes
+
+    net, optimizer = _trained()
+    before = resident_bytes(net, [optimizer])
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    assert snap.held_bytes > 0
+    assert resident_bytes(net, [optimizer]) == before
+    snap.restore()
+    assert resident_bytes(net, [optimizer]) == before

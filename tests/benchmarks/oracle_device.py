@@ -193,10 +193,11 @@ def host_copies_off_device() -> Iterator[None]:
 
     On a GPU the snapshot copies device tensors into host memory (``retune.snapshot.host_copies``)
     and copies device gradients too, so it takes no device memory. On this CPU-only machine the
-    copies would be CPU tensors the oracle charges, and CPU gradients are held by reference instead
-    of copied (``retune.snapshot._holds_gradient``), which would keep them charged during probes.
-    The benchmark (and only the benchmark) makes both behave as on a GPU: the copies are made with
-    the oracle paused, and gradients are copied off the device like any other state.
+    copies would be CPU tensors the oracle charges, and host-resident tensors are held instead of
+    copied (``retune.snapshot._host_resident``: gradients set aside, parameters and optimizer state
+    moved onto uncharged copies while the charged originals stay alive). The benchmark (and only the
+    benchmark) makes both behave as on a GPU: the copies are made with the oracle paused, and every
+    tensor is copied off the device and written back in place.
     """
     import retune.snapshot as snapshot
 
@@ -206,14 +207,14 @@ def host_copies_off_device() -> Iterator[None]:
         with host_memory():
             return original(tensors)
 
-    original_holds = snapshot._holds_gradient
+    original_resident = snapshot._host_resident
     snapshot.host_copies = host_copies  # type: ignore[assignment]
-    snapshot._holds_gradient = lambda grad: False
+    snapshot._host_resident = lambda tensor: False
     try:
         yield
     finally:
         snapshot.host_copies = original
-        snapshot._holds_gradient = original_holds
+        snapshot._host_resident = original_resident
 
 
 @contextmanager
