@@ -32,9 +32,19 @@ def _copyable_into_block(tensor: torch.Tensor) -> bool:
 
 
 def _clone_to_host(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type == "cpu":
-        return tensor.detach().clone()
+    if tensor.layout == torch.strided and not tensor.is_quantized:
+        return tensor.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
     return tensor.detach().to("cpu", copy=True)
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``, as ``Tensor.stride()`` gives them."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= max(size, 1)
+    return tuple(strides)
 
 
 def _cpu_block(nbytes: int) -> memoryview:
@@ -63,12 +73,7 @@ def _tensor_at(block: memoryview, offset: int, like: torch.Tensor) -> torch.Tens
     if nbytes == 0:
         return torch.empty(like.shape, dtype=like.dtype)
     storage = torch.frombuffer(block[offset : offset + nbytes], dtype=torch.uint8).untyped_storage()
-    strides: list[int] = []
-    step = 1
-    for size in reversed(like.shape):
-        strides.insert(0, step)
-        step *= max(size, 1)
-    return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape, strides)
+    return torch.empty(0, dtype=like.dtype).set_(storage, 0, like.shape, contiguous_strides(like.shape))
 
 
 def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

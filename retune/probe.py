@@ -133,13 +133,13 @@ class Prober:
     def _local_trial(self, size: int) -> tuple[str, int | None, BaseException | None]:
         """This process's trial: ``("fits" | "oom" | "error", peak, the error to re-raise)``."""
         assert self._snapshot is not None, "measure() is only valid inside session()"
-        if self._trials_run:
-            self._snapshot.reset()  # start from the captured state, not the previous trial's
-        self._trials_run += 1
         compat.set_batch_attr(self.trainer, self.pl_module, self.batch_arg_name, size)
         generators: list[tuple[torch.Generator, torch.Tensor]] = []
         status, error, peak = "fits", None, None
         try:
+            if self._trials_run:
+                self._snapshot.reset()  # start from the captured state, not the previous trial's
+            self._trials_run += 1
             loader = compat.request_dataloader(self.trainer, self.stage)
             generators = [(g, g.get_state()) for g in sampler_generators(loader)]
             with compat.hooks_isolated(self.trainer, self.pl_module, self.stage):

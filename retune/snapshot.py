@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from retune.host_copy import host_copies
+from retune.host_copy import contiguous_strides, host_copies
 
 
 @dataclass
@@ -128,7 +128,9 @@ class TrainingSnapshot:
         probe cannot change parameters, so it passes ``include_params=False`` and copies none.
         """
         snap = cls()
+        optimizers = _with_inner_optimizers(optimizers)
         trainable = [p for p in module.parameters() if p.requires_grad or p.grad is not None] if include_params else []
+        trainable_ids = {id(p) for p in trainable}
         held_grads = [p for p in trainable if p.grad is not None and _host_resident(p.grad)]
         held_grad_ids = {id(p) for p in held_grads}
         buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
@@ -142,7 +144,7 @@ class TrainingSnapshot:
             for optimizer in optimizers
             for entries in optimizer.state.values()
             for value in entries.values()
-            if isinstance(value, torch.Tensor)
+            if isinstance(value, torch.Tensor) and id(value) not in trainable_ids  # a parameter kept in state
         ]
         copied_grads = [p.grad for p in trainable if p.grad is not None and id(p) not in held_grad_ids]
         # every tensor to keep, each once; a tensor can be held only if no other tensor of the run shares
@@ -152,7 +154,11 @@ class TrainingSnapshot:
             _storage_ptr(t)
             for t in [*module.parameters(), *(buf for _, _, buf in buffers), *state_tensors, *copied_grads]
         )
-        holdable = [t for t in sources if _can_hold(t) and users[_storage_ptr(t)] == 1]
+        holdable = [
+            t
+            for t in sources
+            if (id(t) in trainable_ids or type(t) is torch.Tensor) and _can_hold(t) and users[_storage_ptr(t)] == 1
+        ]
         holdable_ids = {id(t) for t in holdable}
         others = [t for t in sources if id(t) not in holdable_ids] + [buf for _, _, buf in buffers]
         others = list({id(t): t for t in others}.values())
@@ -161,22 +167,27 @@ class TrainingSnapshot:
         snap.held_bytes = sum(_nbytes(t) for t in holdable)
         snap.nbytes = snap.held_bytes + sum(_nbytes(t) for t in others)
 
-        def kept(tensor: torch.Tensor) -> _Kept:
-            original = tensor.data if isinstance(tensor, nn.Parameter) else tensor
+        def kept(tensor: torch.Tensor, original: torch.Tensor) -> _Kept:
             return _Kept(original, copies[id(tensor)], held=id(tensor) in holdable_ids)
 
+        def state_entry(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return copy.deepcopy(value)
+            if id(value) in trainable_ids:
+                return value  # the parameter itself: its values come back with the parameters
+            return kept(value, value)
+
+        # a parameter's original is an alias of its data at capture: the run's parameter object stays,
+        # and whatever a probe points its ``.data`` at, the put-back points it at that storage again
         snap.params = [
-            _ParamState(p, kept(p), p.grad, grad_is_held=True)
+            _ParamState(p, kept(p, p.data), p.grad, grad_is_held=True)
             if id(p) in held_grad_ids
-            else _ParamState(p, kept(p), None if p.grad is None else copies[id(p.grad)])
+            else _ParamState(p, kept(p, p.data), None if p.grad is None else copies[id(p.grad)])
             for p in trainable
         ]
-        snap.buffers = [(sub, name, kept(buf)) for sub, name, buf in buffers]
+        snap.buffers = [(sub, name, kept(buf, buf)) for sub, name, buf in buffers]
         for optimizer in optimizers:
-            state = {
-                p: {k: kept(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in entries.items()}
-                for p, entries in optimizer.state.items()
-            }
+            state = {p: {k: state_entry(v) for k, v in entries.items()} for p, entries in optimizer.state.items()}
             groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             snap.optimizers.append(_OptimizerState(optimizer, state, groups))
         snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in stateful]
@@ -209,18 +220,18 @@ class TrainingSnapshot:
     def restore(self) -> None:
         """Hand the captured state back to the run: its own tensors, values and gradients, as captured.
 
-        Call it once the probes are over (calling it again is harmless; :meth:`reset` after it moves
-        the run back onto the probes' copies). A gradient held by reference goes back onto its
-        parameter as the same tensor.
+        Call it once, when the probes are over: calling it again straight away changes nothing, but
+        after the run has trained on it would put the captured values back again. A gradient held by
+        reference goes back onto its parameter as the same tensor.
         """
         self._put_back(final=True)
 
     def _put_back(self, final: bool) -> None:
         with torch.no_grad():
             for entry in self.params:
-                data = entry.data.for_run() if final else entry.data.for_probe()
-                if entry.data.held:
-                    entry.param.data = data
+                # always re-pointed, held or not: a probe may have pointed ``.data`` elsewhere
+                # (``p.data = p.data.clamp(...)``, max-norm constraints, ``module.to()``)
+                entry.param.data = entry.data.for_run() if final else entry.data.for_probe()
                 if not final:
                     entry.param.grad = None
                 elif entry.grad_is_held:
@@ -249,6 +260,18 @@ class TrainingSnapshot:
             generator.set_state(gen_state)
 
 
+def _with_inner_optimizers(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """The optimizers and any optimizer they wrap (``ZeroRedundancyOptimizer.optim`` holds the real
+    state; the wrapper's own ``state`` stays empty), each once."""
+    found: list[torch.optim.Optimizer] = []
+    for optimizer in optimizers:
+        inner = getattr(optimizer, "optim", None)
+        for candidate in (optimizer, inner):
+            if isinstance(candidate, torch.optim.Optimizer) and all(candidate is not f for f in found):
+                found.append(candidate)
+    return found
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -266,14 +289,15 @@ def _host_resident(tensor: torch.Tensor) -> bool:
 
 
 def _can_hold(tensor: torch.Tensor) -> bool:
-    """A parameter or optimizer-state tensor that owns all of its storage, in host memory, in the plain
-    contiguous layout of its copy (so that the probes run on the same layout: channels_last stays)."""
+    """A tensor that owns all of its storage, in host memory, with exactly the strides of its contiguous
+    copy (so that the probes run on the same layout: a channels_last weight, even a depthwise one whose
+    strides ``is_contiguous()`` accepts, is copied instead)."""
     return (
         type(tensor) in (torch.Tensor, nn.Parameter)
         and tensor.layout == torch.strided
         and not tensor.is_quantized
         and _host_resident(tensor)
-        and tensor.is_contiguous()
+        and tensor.stride() == contiguous_strides(tensor.shape)  # not is_contiguous(): it ignores size-1 dims
         and tensor.storage_offset() == 0
         and tensor.untyped_storage().nbytes() == _nbytes(tensor)
         and tensor.numel() > 0
@@ -304,6 +328,8 @@ def _restore_optimizer(opt: _OptimizerState, final: bool) -> None:
             for key, value in saved.items():
                 if isinstance(value, _Kept):
                     entries[key] = value.for_run() if final else value.for_probe()
+                elif isinstance(value, torch.Tensor):  # a parameter, restored with the parameters
+                    entries[key] = value
                 else:
                     entries[key] = copy.deepcopy(value)
             restored[p] = entries

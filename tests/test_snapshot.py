@@ -2,7 +2,10 @@
 
 The end-to-end guarantee (a run with retune trains bit for bit like a run without it) lives in
 tests/test_no_trace.py; these tests pin the pieces: one host block for all copies, gradients held by
-reference instead of copied, and what ``reset()`` leaves between two probes.
+reference instead of copied, host parameters and optimizer state held (the run continues on copies
+and gets its own tensors back), what stays on the copy-back path (shared storage, views, layouts
+a contiguous copy would change, parameters kept in optimizer state), and what ``reset()`` leaves
+between two probes. tests/test_probe.py checks that every trial starts from the captured state.
 """
 
 from __future__ import annotations
@@ -343,3 +346,111 @@ def test_the_cpu_tracker_sees_the_same_resident_state_during_probes() -> None:
     assert resident_bytes(net, [optimizer]) == before
     snap.restore()
     assert resident_bytes(net, [optimizer]) == before
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["held", "copied"])
+def test_a_probe_that_repoints_parameter_data_is_undone(held: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # max-norm constraints and clamps often write ``p.data = p.data.clamp(...)``: a new storage, which
+    # the put-back must replace with the captured one, whether the parameter is held or copied
+    import retune.snapshot as snapshot
+
+    if not held:  # as on a GPU, where every parameter is copied and written back in place
+        monkeypatch.setattr(snapshot, "_host_resident", lambda tensor: False)
+    net, optimizer = _trained()
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    values = [p.detach().clone() for p in trainable]
+    ptrs = [p.data_ptr() for p in trainable]
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    for _ in range(2):
+        _probe_step(net, optimizer, set_to_none=True)
+        for p in trainable:
+            p.data = p.data.clamp(-0.01, 0.01)
+        snap.reset()
+        assert all(torch.equal(p, v) for p, v in zip(trainable, values, strict=True))
+    for p in trainable:
+        p.data = p.data.clamp(-0.01, 0.01)
+    snap.restore()
+    assert all(torch.equal(p, v) for p, v in zip(trainable, values, strict=True))
+    assert [p.data_ptr() for p in trainable] == ptrs
+
+
+class _KeepsParameters(torch.optim.SGD):
+    """An optimizer whose state refers to parameters: its own, and one outside the module."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.outside = nn.Parameter(torch.randn(4, 4))
+
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["ref"] = p
+                self.state[p]["outside"] = self.outside
+        with torch.no_grad():
+            self.outside.add_(1.0)
+        return loss
+
+
+def test_optimizer_state_that_refers_to_parameters_gets_the_parameters_back() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+    optimizer = _KeepsParameters(net.parameters())
+    for _ in range(2):
+        optimizer.zero_grad()
+        net(torch.randn(8, 256)).sum().backward()
+        optimizer.step()
+    outside = optimizer.outside.detach().clone()
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    for p, entries in optimizer.state.items():
+        assert entries["ref"] is p and entries["outside"] is optimizer.outside, "parameters are never swapped out"
+    optimizer.zero_grad()
+    net(torch.randn(8, 256)).sum().backward()
+    optimizer.step()
+    snap.reset()
+    snap.restore()
+    for p, entries in optimizer.state.items():
+        assert entries["ref"] is p and isinstance(entries["ref"], nn.Parameter) and p.requires_grad
+        assert entries["outside"] is optimizer.outside
+    assert torch.equal(optimizer.outside, outside), "a parameter kept only in the state is restored in place"
+
+
+def test_a_depthwise_channels_last_weight_is_copied_not_held() -> None:
+    # (C, 1, k, k) in channels_last has strides (9, 1, 3, 1), which is_contiguous() accepts; a contiguous
+    # copy has (9, 9, 3, 1), so holding it would make the probes run on another layout
+    conv = nn.Conv2d(8, 8, 3, groups=8).to(memory_format=torch.channels_last)
+    assert conv.weight.is_contiguous() and conv.weight.stride() == (9, 1, 3, 1)
+    ptr, stride = conv.weight.data_ptr(), conv.weight.stride()
+    snap = TrainingSnapshot.capture(conv)
+    assert conv.weight.data_ptr() == ptr and conv.weight.stride() == stride
+    snap.restore()
+    assert conv.weight.data_ptr() == ptr and conv.weight.stride() == stride
+
+
+def test_the_state_of_an_optimizer_wrapped_by_zero_is_kept(tmp_path: Any) -> None:
+    # ZeroRedundancyOptimizer keeps the real state in its inner ``optim``; its own ``state`` is empty
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+        zero = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1)
+        for _ in range(2):
+            zero.zero_grad()
+            net(torch.randn(8, 64)).sum().backward()
+            zero.step()
+        inner = zero.optim
+        before = {(id(p), k): v.clone() for p, s in inner.state.items() for k, v in s.items()}
+        assert before and not zero.state
+        snap = TrainingSnapshot.capture(net, optimizers=[zero])
+        zero.zero_grad()
+        net(torch.randn(8, 64)).sum().backward()
+        zero.step()
+        snap.restore()
+        after = {(id(p), k): v for p, s in inner.state.items() for k, v in s.items()}
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[key], after[key]) for key in before)
+    finally:
+        dist.destroy_process_group()
