@@ -454,3 +454,38 @@ def test_the_state_of_an_optimizer_wrapped_by_zero_is_kept(tmp_path: Any) -> Non
         assert all(torch.equal(before[key], after[key]) for key in before)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_compiled_module_runs_on_held_copies_without_recompiling() -> None:
+    # torch.compile guards on its inputs' metadata: the held copies must look like the originals (shape,
+    # strides, dtype, a storage of their own), or every search would cost a recompile (aot_eager: the
+    # guards and the traced graph are the real ones, without compiling kernels)
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    compiled = torch.compile(net, backend="aot_eager")
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        compiled(torch.randn(8, 512)).sum().backward()
+        optimizer.step()
+
+    for _ in range(2):
+        step()
+    graphs = counters["stats"]["unique_graphs"]
+    values = [p.detach().clone() for p in net.parameters()]
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    assert snap.held_bytes > 0
+    for _ in range(2):
+        step()
+        snap.reset()
+    step()
+    snap.restore()
+    assert all(torch.equal(v, p) for v, p in zip(values, net.parameters(), strict=True))
+    step()  # the run goes on, compiled, on its own tensors
+    assert counters["stats"]["unique_graphs"] == graphs, "no recompilation on the copies or after"
+    torch._dynamo.reset()
