@@ -9,9 +9,9 @@ into memory that already existed.
 So a snapshot asks for all its copies at once: one block, laid out up front, with each copy a
 tensor over its own slice of it. The block is an anonymous ``mmap`` advised for transparent huge
 pages (2 MiB pages, 512 times fewer faults) where the kernel allows it. Device tensors are copied
-into the same kind of block. Pinned memory would make those copies faster, but torch's caching host allocator keeps
-freed pinned blocks cached until it is told to release them, and a snapshot the size of the
-trainable state is too much page-locked host memory to keep between searches hours apart.
+into the same kind of block. Pinned memory would make those copies faster, but torch's caching host
+allocator keeps freed pinned blocks cached until it is told to release them, and a snapshot the size
+of the trainable state is too much page-locked host memory to keep between searches hours apart.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ _MIN_BLOCK = 1 << 20  # below this a block is not worth the mmap; clone each ten
 
 
 def _copyable_into_block(tensor: torch.Tensor) -> bool:
-    """Plain strided, non-quantized tensors can live as a dtype view of a byte block."""
+    """Plain strided, non-quantized tensors can be laid over a slice of a byte block."""
     return tensor.layout == torch.strided and not tensor.is_quantized and tensor.device.type != "meta"
 
 

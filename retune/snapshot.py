@@ -109,7 +109,6 @@ class TrainingSnapshot:
     rng: dict[str, Any] = field(default_factory=dict)
     generators: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)
     nbytes: int = 0
-    held_bytes: int = 0
 
     @classmethod
     def capture(
@@ -164,8 +163,7 @@ class TrainingSnapshot:
         others = list({id(t): t for t in others}.values())
         kept_tensors = [*holdable, *others]
         copies = dict(zip(map(id, kept_tensors), host_copies(kept_tensors), strict=True))
-        snap.held_bytes = sum(_nbytes(t) for t in holdable)
-        snap.nbytes = snap.held_bytes + sum(_nbytes(t) for t in others)
+        snap.nbytes = sum(_nbytes(t) for t in kept_tensors)
 
         def kept(tensor: torch.Tensor, original: torch.Tensor) -> _Kept:
             return _Kept(original, copies[id(tensor)], held=id(tensor) in holdable_ids)
@@ -208,6 +206,13 @@ class TrainingSnapshot:
                             opt.optimizer.state[p][key] = value.copy
         return snap
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the copies the probes train on while the run's own tensors wait (0 on a GPU)."""
+        entries = [e.data for e in self.params]
+        entries += [v for o in self.optimizers for s in o.state.values() for v in s.values() if isinstance(v, _Kept)]
+        return sum(_nbytes(k.copy) for k in entries if k.held)
+
     def reset(self) -> None:
         """Start the next probe from the captured state: the state between two probes.
 
@@ -242,7 +247,7 @@ class TrainingSnapshot:
                     entry.param.grad.copy_(entry.grad)
                 else:  # in the parameter's layout (channels_last): the host copy is contiguous
                     entry.param.grad = torch.empty_like(entry.param.detach()).copy_(entry.grad)
-            for sub, name, buffer in self.buffers:
+            for sub, name, buffer in self.buffers:  # never held: written back in place either way
                 sub._buffers[name] = buffer.for_run()
         for sub, training in self.modes:
             sub.training = training
@@ -281,8 +286,8 @@ def _storage_ptr(tensor: torch.Tensor) -> int:
 
 
 def _host_resident(tensor: torch.Tensor) -> bool:
-    """Whether this tensor already lives in host memory, in memory of its own, so that the snapshot can
-    set it aside instead of copying it. A device tensor is copied to the host, so that the snapshot
+    """Whether this tensor already lives in host memory and is not a view, so that the snapshot can set
+    it aside instead of copying it. A device tensor is copied to the host, so that the snapshot
     does not hold device memory the probe should have; so is a view (DDP's
     ``gradient_as_bucket_view``, flat gradient buffers), whose memory other tensors write into."""
     return tensor.device.type == "cpu" and not tensor._is_view()
