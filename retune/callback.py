@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,8 +23,10 @@ from retune.events import RetuneEvent, Trial
 from retune.loading import ScheduleSource, load_schedule
 from retune.memory import device_total_bytes
 from retune.probe import Prober
+from retune.recovery import EvalStepRecovery, Recovered, TrainStepRecovery
 from retune.search import Direction, MemoryModel, Mode, SearchResult, plan_search, run_model_search, run_search
-from retune.triggers import TrainingView, Trigger, build_triggers, evaluate
+from retune.split import SplitFn
+from retune.triggers import OutOfMemory, TrainingView, Trigger, build_triggers, evaluate
 
 log = logging.getLogger("retune")
 
@@ -42,6 +44,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         schedule: a schedule file (YAML, JSON or TOML), a dict, or a :class:`~retune.RetuneSchedule`.
         triggers: extra :class:`~retune.Trigger` objects, checked after the schedule's own.
         verbose: print one line per trial and a summary per search (rank zero only).
+        split_batch: with the ``oom`` trigger, how to cut a batch of a type retune does not know into
+            micro-batches: ``fn(batch, pieces) -> list of micro-batches`` (see :mod:`retune.split`).
 
     Example::
 
@@ -65,9 +69,16 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         verbose: bool = True,
         out_dir: str | Path | None = None,
         write_report: bool = True,
+        split_batch: SplitFn | None = None,
     ) -> None:
         self.schedule = load_schedule(schedule)
         self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
+        self.split_batch = split_batch
+        self._oom: OutOfMemory | None = next((t for t in self.triggers if isinstance(t, OutOfMemory)), None)
+        self._train_recovery: TrainStepRecovery | None = None
+        self._eval_recovery: EvalStepRecovery | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._eval_undo: Callable[[], None] = lambda: None
         self.verbose = verbose
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.write_report = write_report
@@ -117,6 +128,18 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 )
         if stage != "fit":
             return
+        if self._oom is not None and compat.is_distributed(trainer):
+            raise RetuneError(
+                "the `oom` trigger does not support DDP yet: DDP synchronises gradients inside backward, so a rank "
+                "that runs out of memory would leave the others waiting in that collective; remove `oom` from the "
+                "schedule's triggers for multi-process runs (searches and their probes work under DDP as before)"
+            )
+        if self._oom is not None and not pl_module.automatic_optimization:
+            raise RetuneError(
+                "the `oom` trigger recovers a training step by re-running it in micro-batches inside Lightning's "
+                "closure, which manual optimization does not use; remove `oom` from the schedule's triggers, or "
+                "catch torch.OutOfMemoryError in your training_step (retune.split.split_batch splits a batch)"
+            )
         if self.schedule.apply.accumulate == "keep_effective" and compat.accumulation_is_scheduled(trainer):
             raise RetuneError(
                 "apply.accumulate: keep_effective sets gradient accumulation itself and cannot share it with a "
@@ -142,6 +165,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._disabled:
             return
+        if self._train_recovery is not None:
+            self._train_recovery.pieces = 1  # each epoch starts whole, at the size the search picks now
         view = self._view(trainer, pl_module)
         self._fit_starting = False
         # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
@@ -155,15 +180,45 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         if self._accumulate is not None:
             compat.set_accumulation(trainer, self._accumulate)  # Lightning 1.9 resets it every epoch
 
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._disabled or self._oom is None:
+            return
+        recovery = TrainStepRecovery(
+            lambda: list(pl_module.parameters()),
+            split_fn=self.split_batch,
+            loss_reduction="sum" if self._oom.loss_reduction == "sum" else "mean",
+            on_recovered=lambda done: self._recovered(trainer, pl_module, "train", done),
+        )
+        self._train_recovery = recovery
+        self._undo += [compat.install_closure_runner(trainer, recovery.run), recovery.close]
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._uninstall()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._uninstall()
+
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         if compat.trainer_fn(trainer) == "validate" and not trainer.sanity_checking:
             self._eval_start(trainer, pl_module, "val", "validate_start")
+        self._guard_eval(trainer, pl_module, "val")
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unguard_eval()
 
     def on_test_start(self, trainer: Any, pl_module: Any) -> None:
         self._eval_start(trainer, pl_module, "test", "test_start")
+        self._guard_eval(trainer, pl_module, "test")
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unguard_eval()
 
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         self._eval_start(trainer, pl_module, "predict", "predict_start")
+        self._guard_eval(trainer, pl_module, "predict")
+
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
+        self._unguard_eval()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -185,6 +240,62 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 trigger.load_state_dict(saved)
         self._restored = True
 
+    # -- out-of-memory recovery (the `oom` trigger; the mechanics live in retune.recovery) ------
+
+    def _guard_eval(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Recover an evaluation step that runs out of memory, for this loop run (after its search)."""
+        if self._disabled or self._oom is None or self._eval_recovery is not None:
+            return
+
+        def wrap(step: Callable[..., Any]) -> Callable[..., Any]:
+            recovery = EvalStepRecovery(
+                step,
+                logging=lambda batch: compat.eval_logging(trainer, batch),
+                save_logs=lambda: compat.save_logged_metrics(trainer),
+                split_fn=self.split_batch,
+                on_recovered=lambda done: self._recovered(trainer, pl_module, stage, done),
+                where=lambda: f"{stage}, epoch {trainer.current_epoch}, global step {trainer.global_step}",
+            )
+            self._eval_recovery = recovery
+            return recovery
+
+        self._eval_undo = compat.wrap_eval_step(pl_module, stage, wrap)
+
+    def _unguard_eval(self) -> None:
+        if self._eval_recovery is not None:
+            self._eval_undo()
+            self._eval_recovery = None
+
+    def _uninstall(self) -> None:
+        self._unguard_eval()
+        while self._undo:
+            self._undo.pop()()
+        self._train_recovery = None
+
+    def _recovered(self, trainer: Any, pl_module: Any, stage: str, done: Recovered) -> None:
+        """Record a step that ran out of memory and was trained in micro-batches; the next search starts below it."""
+        name = self._attr(trainer, pl_module, stage)
+        size = compat.get_batch_attr(trainer, pl_module, name)
+        samples = done.samples or size
+        largest_piece = -(-samples // done.pieces)
+        if stage == "train" and self._oom is not None:
+            self._oom.record(failed_size=samples, fitting_size=largest_piece)
+        event = RetuneEvent(
+            epoch=trainer.current_epoch,
+            global_step=trainer.global_step,
+            trigger="oom",
+            stage=stage,
+            batch_size_before=size,
+            batch_size_after=size,
+            direction="down",
+            micro_batches=done.pieces,
+            note=f"out of memory in {done.failed_in} on a batch of {samples}; trained it as {done.pieces} "
+            f"micro-batches of at most {largest_piece}",
+        )
+        self.history.append(event)
+        self._say(report.format_summary(event), warn=True)
+        self._log_event(trainer, event)
+
     # -- the search ----------------------------------------------------------------------------
 
     def _eval_start(self, trainer: Any, pl_module: Any, stage: str, label: str) -> None:
@@ -201,6 +312,12 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         device = pl_module.device
         budget = self.schedule.memory.budget_bytes(device_total_bytes(device))
         mode, limit, note = self._mode_and_limit(device, budget)
+        previous = None if cold else state.last
+        known = self._oom.consume() if self._oom is not None and stage == "train" and "oom" in label else None
+        if known is not None:
+            fitting, failed = known  # a real step failed at `failed`, and pieces of `fitting` ran
+            previous = SearchResult(state.size, min(fitting, failed - 1), failed)
+            direction = "down"
         loader = compat.request_dataloader(trainer, stage)
         plan = plan_search(
             mode=mode,
@@ -209,8 +326,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             margin=config.margin,
             max_val=config.max_val,
             dataset_len=compat.dataset_length(loader, trainer.world_size),
-            warm_start=config.warm_start,
-            previous=None if cold else state.last,
+            warm_start=config.warm_start or known is not None,
+            previous=previous,
             direction=direction,
         )
         del loader

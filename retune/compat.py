@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import cache
 from types import ModuleType
@@ -560,3 +560,151 @@ def refresh_progress_bar(trainer: Any) -> None:
     if train_bar is not None and hasattr(train_bar, "reset"):
         total = trainer.num_training_batches
         train_bar.reset(total=None if total == float("inf") else int(total))
+
+
+# -- recovering a real step that ran out of memory ---------------------------------------------
+
+
+def _automatic_loop(trainer: Any) -> Any:
+    """The loop object that builds each training batch's closure (``_make_closure``) in automatic optimization."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    if is_legacy(trainer):
+        return epoch_loop.batch_loop.optimizer_loop
+    return epoch_loop.automatic_optimization
+
+
+def install_closure_runner(trainer: Any, run: Callable[[Any], Any]) -> Callable[[], None]:
+    """Route the body of every training closure the fit loop builds through ``run``; returns the undo.
+
+    ``run`` receives a :class:`retune.recovery.StepParts` for the batch and returns the loop's step
+    result (Lightning's ``ClosureResult``). Everything around the closure (``optimizer_step``, the
+    precision plugin's gradient clipping and grad scaler, progress counters) stays Lightning's.
+    Patched on the loop instance only, so nothing outside this trainer changes.
+    """
+    from retune.recovery import StepParts
+
+    loop = _automatic_loop(trainer)
+    original = loop._make_closure
+
+    def make_closure(kwargs: Any, optimizer: Any, *rest: Any) -> Any:
+        closure = original(kwargs, optimizer, *rest)
+
+        def forward(batch: Any) -> Any:
+            step_kwargs = type(kwargs)(kwargs)
+            step_kwargs["batch"] = batch
+            return loop._training_step(step_kwargs)
+
+        parts = StepParts(
+            batch=kwargs["batch"],
+            forward=forward,
+            zero_grad=closure._zero_grad_fn,
+            backward=closure._backward_fn,
+            loss_of=lambda result: result.closure_loss,
+            with_loss=lambda result, loss: dataclasses.replace(result, closure_loss=loss),
+            micro_logging=lambda batch, keep: micro_batch_logging(trainer, batch, keep),
+            save_logs=lambda: save_logged_metrics(trainer),
+            where=f"epoch {trainer.current_epoch}, global step {trainer.global_step}",
+        )
+        closure.closure = lambda *args, **kw: run(parts)
+        return closure
+
+    loop._make_closure = make_closure
+
+    def undo() -> None:
+        if vars(loop).get("_make_closure") is make_closure:
+            del loop._make_closure
+
+    return undo
+
+
+@contextmanager
+def micro_batch_logging(trainer: Any, batch: Any, keep: bool) -> Iterator[None]:
+    """Where ``self.log`` calls of a micro-batch's step go.
+
+    ``keep``: into the run's metrics, weighted by the micro-batch's own size (Lightning reads the
+    size from the batch it holds, so it is pointed at the micro-batch), so epoch means count every
+    sample once. Otherwise into a throwaway collection: the whole batch already logged its values.
+    """
+    owner = _results_owner(trainer)
+    results = None if owner is None else owner._results
+    if owner is None or results is None:
+        yield
+        return
+    if keep:
+        saved = (results.batch, results.batch_size)
+        results.batch, results.batch_size = batch, None
+        try:
+            yield
+        finally:
+            results.batch, results.batch_size = saved
+        return
+    throwaway = _module(namespace_of(trainer) + ".trainer.connectors.logger_connector.result")._ResultCollection(
+        training=True
+    )
+    if is_legacy(trainer):
+        throwaway.device = results.device
+    owner._results = throwaway
+    try:
+        yield
+    finally:
+        owner._results = results
+
+
+_EVAL_STEP_NAMES = {"val": "validation_step", "test": "test_step", "predict": "predict_step"}
+
+
+def wrap_eval_step(
+    pl_module: Any, stage: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Callable[[], None]:
+    """Replace the module's ``*_step`` for ``stage`` on this instance with ``wrap(step)``; returns the undo.
+
+    The wrapper keeps the step's signature (``functools.wraps``), which Lightning inspects to decide
+    whether to pass ``dataloader_idx``.
+    """
+    import functools
+
+    name = _EVAL_STEP_NAMES[stage]
+    step = getattr(pl_module, name)
+    wrapped = functools.wraps(step)(wrap(step))
+    object.__setattr__(pl_module, name, wrapped)
+
+    def undo() -> None:
+        if vars(pl_module).get(name) is wrapped:
+            object.__delattr__(pl_module, name)
+
+    return undo
+
+
+def save_logged_metrics(trainer: Any) -> Callable[[], None]:
+    """A copy of what ``self.log`` has collected so far, and the function that puts it back.
+
+    Taken only while a step recovers, before a round of micro-batches: when one of them runs out of
+    memory too, the round's earlier micro-batches have logged values that the next round logs again.
+    """
+    owner = _results_owner(trainer)
+    results = None if owner is None else owner._results
+    if owner is None or results is None:
+        return lambda: None
+    fields = ("value", "cumulated_batch_size", "_forward_cache", "_update_count", "_computed")
+    saved = {
+        key: {
+            name: value.clone() if isinstance(value, torch.Tensor) else value
+            for name in fields
+            if (value := getattr(metric, name, None)) is not None or hasattr(metric, name)
+        }
+        for key, metric in results.items()
+    }
+
+    def restore() -> None:
+        for key in [k for k in results if k not in saved]:
+            del results[key]  # first logged by the micro-batches being dropped
+        for key, state in saved.items():
+            for name, value in state.items():
+                setattr(results[key], name, value)
+
+    return restore
+
+
+def eval_logging(trainer: Any, batch: Any) -> Any:
+    """An evaluation micro-batch logs into the run's metrics weighted by its own size."""
+    return micro_batch_logging(trainer, batch, keep=True)

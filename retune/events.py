@@ -15,7 +15,7 @@ class Trial(NamedTuple):
 
 @dataclass(frozen=True)
 class RetuneEvent:
-    """One search: when it ran, why, and what it found.
+    """One search (or one recovered out-of-memory step): when it ran, why, and what it found.
 
     ``trigger`` is the kind that fired (several joined by ``"+"``, e.g. ``"epoch+trainable_params_changed"``).
     ``trials`` are in the order tried. ``direction`` is ``"cold"`` for a search from ``init_val`` (fit
@@ -47,6 +47,13 @@ class RetuneEvent:
     mode: str = ""
     """The search mode that ran (``model`` falls back to ``binsearch`` without memory statistics)."""
     note: str = ""
+    micro_batches: int = 0
+    """For a recovered out-of-memory step (trigger ``oom``): how many micro-batches the batch trained as.
+    0 for a search. Such an event has no trials and leaves the batch size as it was."""
+
+    @property
+    def is_recovery(self) -> bool:
+        return self.micro_batches > 0
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

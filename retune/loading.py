@@ -197,6 +197,7 @@ def _model_at(loc: Sequence[int | str], data_kind: str | None) -> type[BaseModel
                 "param_groups_changed": sched.ParamGroupsChangedTrigger,
                 "trainable_params_changed": sched.TrainableParamsChangedTrigger,
                 "fts_phase": sched.FtsPhaseTrigger,
+                "oom": sched.OomTrigger,
             }
             kind = parts[i + 2] if i + 2 < len(parts) else data_kind
             found = by_kind.get(str(kind))

@@ -259,7 +259,12 @@ def format_trial(n: int, batch_size: int, fits: bool, peak_bytes: int | None = N
 
 
 def format_summary(event: RetuneEvent, where: str | None = None) -> str:
-    """The one line that ends a search; ``where`` defaults to ``epoch N``."""
+    """The one line that ends a search (or reports a recovered step); ``where`` defaults to ``epoch N``."""
+    if event.is_recovery:
+        return (
+            f"{where or f'epoch {event.epoch}, step {event.global_step}'}: a {event.stage} step ran out of memory at "
+            f"batch size {event.batch_size_after} and was recovered ({event.note}); trigger oom"
+        )
     return (
         f"{where or f'epoch {event.epoch}'}: {event.stage} batch size {event.batch_size_before} -> "
         f"{event.batch_size_after} ({len(event.trials)} trials, {event.duration_s:.2f}s, trigger {event.trigger})"
@@ -273,6 +278,8 @@ def event_metrics(event: RetuneEvent) -> dict[str, float]:
     search of another stage logs the same names with the stage added (``retune/val_batch_size``).
     """
     prefix = "retune/" if event.stage == "train" else f"retune/{event.stage}_"
+    if event.is_recovery:
+        return {f"{prefix}oom_micro_batches": float(event.micro_batches)}
     return {
         f"{prefix}batch_size": float(event.batch_size_after),
         f"{prefix}search_seconds": float(event.duration_s),
@@ -302,12 +309,20 @@ def format_table(events: Sequence[RetuneEvent]) -> str:
         header.insert(3, "stage")
         for row, e in zip(rows, events, strict=True):
             row.insert(3, e.stage)
+    if any(e.is_recovery for e in events):
+        header.append("split")
+        for row, e in zip(rows, events, strict=True):
+            row.append(f"{e.micro_batches} micro-batches" if e.is_recovery else "")
     peaks = [chosen_peak(e) for e in events]
     if any(p is not None for p in peaks):
         header.append("peak")
         for row, peak in zip(rows, peaks, strict=True):
             row.append("-" if peak is None else format_bytes(peak))
-    title = f"retune: {len(events)} search{'es' if len(events) != 1 else ''}"
+    searches = sum(1 for e in events if not e.is_recovery)
+    title = f"retune: {searches} search{'es' if searches != 1 else ''}"
+    if searches != len(events):
+        recovered = len(events) - searches
+        title += f", {recovered} recovered out-of-memory step{'s' if recovered != 1 else ''}"
     if not rows:
         return f"{title} (the schedule's triggers never fired)"
     widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(header))]

@@ -194,8 +194,27 @@ class FtsPhaseTrigger(_Config):
     kind: Literal["fts_phase"] = "fts_phase"
 
 
+class OomTrigger(_Config):
+    """Recover a real step that runs out of memory (the same batch in micro-batches, nothing lost), then
+    search again at the next epoch start, below the size that failed."""
+
+    kind: Literal["oom"] = "oom"
+    loss_reduction: Literal["mean", "sum"] = Field(
+        "mean",
+        description="How training_step's loss combines samples: mean weights each micro-batch's loss by its "
+        "share of the batch, sum adds them, so the recovered step's update equals the whole batch's.",
+    )
+
+
 TriggerConfig = Annotated[
-    Union[FitStartTrigger, EpochTrigger, ParamGroupsChangedTrigger, TrainableParamsChangedTrigger, FtsPhaseTrigger],
+    Union[
+        FitStartTrigger,
+        EpochTrigger,
+        ParamGroupsChangedTrigger,
+        TrainableParamsChangedTrigger,
+        FtsPhaseTrigger,
+        OomTrigger,
+    ],
     Field(discriminator="kind"),
 ]
 TRIGGER_KINDS: tuple[str, ...] = (
@@ -204,6 +223,7 @@ TRIGGER_KINDS: tuple[str, ...] = (
     "param_groups_changed",
     "trainable_params_changed",
     "fts_phase",
+    "oom",
 )
 
 

@@ -35,6 +35,7 @@ from retune.schedule import (
     EpochTrigger,
     FitStartTrigger,
     FtsPhaseTrigger,
+    OomTrigger,
     ParamGroupsChangedTrigger,
     TrainableParamsChangedTrigger,
     TriggerConfig,
@@ -184,6 +185,45 @@ class FtsPhase:
         self.baseline = state.get("baseline")
 
 
+class OutOfMemory:
+    """Fires at the first epoch start after a real step ran out of memory and was recovered.
+
+    The recovery (:mod:`retune.recovery`) reports each event with :meth:`record`; the search that
+    follows is warm and treats the failed batch size as a known failure ("down").
+    """
+
+    kind = "oom"
+
+    def __init__(self, loss_reduction: str = "mean") -> None:
+        self.loss_reduction = loss_reduction
+        self.failed_size: int | None = None
+        """The smallest batch size that ran out of memory since the last epoch start."""
+        self.fitting_size: int | None = None
+        """The smallest micro-batch size that then fit (every micro-batch of a recovered step fit)."""
+
+    def record(self, failed_size: int, fitting_size: int) -> None:
+        self.failed_size = failed_size if self.failed_size is None else min(self.failed_size, failed_size)
+        self.fitting_size = fitting_size if self.fitting_size is None else min(self.fitting_size, fitting_size)
+
+    def check(self, view: TrainingView) -> Direction | None:
+        return "down" if self.failed_size is not None else None
+
+    def consume(self) -> tuple[int, int] | None:
+        """``(fitting, failed)`` sizes learned since the last search, and forget them."""
+        if self.failed_size is None or self.fitting_size is None:
+            return None
+        known = (self.fitting_size, self.failed_size)
+        self.failed_size = self.fitting_size = None
+        return known
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"failed_size": self.failed_size, "fitting_size": self.fitting_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.failed_size = state.get("failed_size")
+        self.fitting_size = state.get("fitting_size")
+
+
 def build_triggers(configs: Sequence[TriggerConfig]) -> list[Trigger]:
     """The trigger objects for a schedule's ``triggers`` list."""
     triggers: list[Trigger] = []
@@ -198,6 +238,8 @@ def build_triggers(configs: Sequence[TriggerConfig]) -> list[Trigger]:
             triggers.append(TrainableParamsChanged(config.min_fraction))
         elif isinstance(config, FtsPhaseTrigger):
             triggers.append(FtsPhase())
+        elif isinstance(config, OomTrigger):
+            triggers.append(OutOfMemory(config.loss_reduction))
         else:  # pragma: no cover - the schedule's discriminated union admits nothing else
             raise TypeError(f"unknown trigger config {config!r}")
     return triggers

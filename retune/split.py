@@ -1,0 +1,189 @@
+"""Split a batch into micro-batches along its batch dimension, and put step outputs back together.
+
+Pure logic over the containers batches are made of, free of Lightning: tensors, tuples, lists,
+named tuples, dicts and other mappings (Hugging Face ``BatchEncoding`` included), dataclasses,
+and lists of per-sample Python values (strings, file names) whose length is the batch's. Values
+without a batch dimension (a scalar tensor, an int, ``None``, a string) are given unchanged to
+every micro-batch. A batch type retune does not know is not guessed at: :func:`split_batch`
+raises :class:`SplitError` naming the type, and ``ScheduledBatchSizeFinder(split_batch=fn)``
+takes over (``fn(batch, pieces) -> list of micro-batches``).
+
+Example:
+    >>> import torch
+    >>> batch = {"input_ids": torch.zeros(5, 3), "labels": torch.arange(5), "task": "nli"}
+    >>> [(len(m["labels"]), m["task"]) for m in split_batch(batch, 2)]
+    [(3, 'nli'), (2, 'nli')]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+SplitFn = Callable[[Any, int], Sequence[Any]]
+"""A user's own splitter: ``fn(batch, pieces)`` returns ``pieces`` micro-batches (or fewer, never empty)."""
+
+
+class SplitError(TypeError):
+    """A batch that cannot be split along its batch dimension by the built-in rules."""
+
+
+def piece_sizes(total: int, pieces: int) -> list[int]:
+    """Sizes of ``pieces`` near-equal parts of ``total`` samples, larger first (``torch.tensor_split``'s rule).
+
+    >>> piece_sizes(10, 4)
+    [3, 3, 2, 2]
+    """
+    pieces = max(1, min(pieces, total))
+    base, extra = divmod(total, pieces)
+    return [base + 1 if i < extra else base for i in range(pieces)]
+
+
+def batch_length(batch: Any) -> int | None:
+    """The number of samples in ``batch``: the leading dimension its tensors share (None if it has none).
+
+    Raises :class:`SplitError` when tensors disagree on the leading dimension, since then the batch
+    dimension is ambiguous and a split would pair samples wrongly.
+    """
+    lengths: set[int] = set()
+    _collect_lengths(batch, lengths, top=True)
+    if len(lengths) > 1:
+        raise SplitError(
+            f"the tensors of this {type(batch).__name__} batch disagree on their first dimension "
+            f"({sorted(lengths)}), so retune cannot tell the batch dimension; pass split_batch=fn"
+        )
+    return next(iter(lengths)) if lengths else None
+
+
+def _collect_lengths(value: Any, lengths: set[int], top: bool = False) -> None:
+    if isinstance(value, torch.Tensor):
+        if value.dim() > 0:
+            lengths.add(int(value.shape[0]))
+        return
+    if isinstance(value, (str, bytes)) or value is None or isinstance(value, (int, float, bool)):
+        return
+    if isinstance(value, Mapping):
+        for item in value.values():
+            _collect_lengths(item, lengths)
+        return
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            _collect_lengths(getattr(value, f.name), lengths)
+        return
+    if isinstance(value, (list, tuple)):
+        if _is_container_of_batches(value):
+            for item in value:
+                _collect_lengths(item, lengths)
+        return
+    if top:
+        raise SplitError(_unknown_type_message(value))
+
+
+def _is_container_of_batches(value: Sequence[Any]) -> bool:
+    """A tuple/list holding tensors or nested containers (``(x, y)``), not a list of per-sample values."""
+    return any(
+        isinstance(item, (torch.Tensor, Mapping, list, tuple)) or dataclasses.is_dataclass(item) for item in value
+    )
+
+
+def _unknown_type_message(value: Any) -> str:
+    name = f"{type(value).__module__}.{type(value).__qualname__}"
+    return (
+        f"retune cannot split a batch of type {name} into micro-batches: it knows tensors, tuples, lists, "
+        "dicts and other mappings, dataclasses and named tuples. Pass "
+        "ScheduledBatchSizeFinder(..., split_batch=fn) with fn(batch, pieces) -> list of micro-batches"
+    )
+
+
+def split_batch(batch: Any, pieces: int, split_fn: SplitFn | None = None) -> list[Any]:
+    """``batch`` as up to ``pieces`` micro-batches that together hold every sample exactly once, in order.
+
+    Fewer pieces come back when the batch has fewer samples than ``pieces``. ``split_fn`` replaces
+    the built-in rules; its result is checked (a list of at least one micro-batch).
+    """
+    if pieces < 1:
+        raise ValueError(f"pieces must be >= 1, got {pieces}")
+    if split_fn is not None:
+        parts = list(split_fn(batch, pieces))
+        if not parts:
+            raise SplitError(f"split_batch returned no micro-batches for {pieces} pieces")
+        return parts
+    total = batch_length(batch)
+    if total is None:
+        raise SplitError(
+            f"this {type(batch).__name__} batch holds no tensor with a batch dimension, so retune cannot split it; "
+            "pass ScheduledBatchSizeFinder(..., split_batch=fn)"
+        )
+    sizes = piece_sizes(total, pieces)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [_slice(batch, start, start + size, total) for start, size in zip(starts, sizes, strict=True)]
+
+
+def _slice(value: Any, start: int, stop: int, total: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[start:stop] if value.dim() > 0 and value.shape[0] == total else value
+    if isinstance(value, (str, bytes)) or value is None or isinstance(value, (int, float, bool)):
+        return value
+    if isinstance(value, Mapping):
+        items = {key: _slice(item, start, stop, total) for key, item in value.items()}
+        return _rebuild_mapping(value, items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: _slice(getattr(value, f.name), start, stop, total) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, (list, tuple)):
+        if _is_container_of_batches(value):
+            parts = [_slice(item, start, stop, total) for item in value]
+        elif len(value) == total:
+            parts = list(value[start:stop])  # per-sample values: file names, raw strings
+        else:
+            return value
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*parts)  # a named tuple
+        return type(value)(parts)
+    raise SplitError(_unknown_type_message(value))
+
+
+def _rebuild_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """The same mapping type with new values (``BatchEncoding(data)``, ``OrderedDict(items)``, plain dict)."""
+    if type(original) is dict:
+        return items
+    try:
+        return type(original)(items)  # type: ignore[call-arg]
+    except TypeError:
+        return items
+
+
+def join_outputs(outputs: Sequence[Any]) -> Any:
+    """The outputs of a step's micro-batches as one output, as if the step had run on the whole batch.
+
+    Tensors with a batch dimension are concatenated; containers are joined leaf by leaf; a scalar
+    or anything else that cannot be concatenated is taken from the last micro-batch (a value such
+    as a mean loss has no whole-batch form to rebuild). Used for ``predict_step`` results and the
+    outputs that evaluation hooks receive.
+    """
+    if not outputs:
+        return None
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        if all(isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[1:] == first.shape[1:] for o in outputs):
+            return torch.cat(list(outputs), dim=0)
+        return outputs[-1]
+    if isinstance(first, Mapping) and all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
+        return _rebuild_mapping(first, {key: join_outputs([o[key] for o in outputs]) for key in first})
+    if isinstance(first, (list, tuple)) and all(type(o) is type(first) for o in outputs):
+        if _is_container_of_batches(first) and all(len(o) == len(first) for o in outputs):
+            parts = [join_outputs([o[i] for o in outputs]) for i in range(len(first))]
+        else:
+            parts = [item for o in outputs for item in o]  # per-sample lists: concatenate
+        if isinstance(first, tuple) and hasattr(first, "_fields"):
+            return type(first)(*parts)
+        return type(first)(parts)
+    return outputs[-1]
+
+
+__all__ = ["SplitError", "SplitFn", "batch_length", "join_outputs", "piece_sizes", "split_batch"]

@@ -1,0 +1,212 @@
+"""The ``oom`` trigger: a real step that runs out of memory is trained again in micro-batches, nothing lost.
+
+The OOMs come from ``tests/oom_oracle.py``, which raises the real ``torch.OutOfMemoryError`` when a
+batch's padded token count exceeds a capacity, in forward or (variant) in backward after the head
+already received its gradient. Every run is compared with the same run at unlimited capacity.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from retune import RetuneError, ScheduledBatchSizeFinder
+from tests.lightning_ns import LEGACY, PRECISION_BF16, pl, seed
+from tests.oom_oracle import TokenModel, pad_collate
+
+OOM = {"triggers": [{"kind": "oom"}]}
+
+
+def _fit(
+    capacity: int | None,
+    where: str = "forward",
+    schedule: dict[str, Any] | None = None,
+    epochs: int = 1,
+    model_kwargs: dict[str, Any] | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[TokenModel, ScheduledBatchSizeFinder, Any]:
+    seed(0)
+    model = TokenModel(capacity=capacity, where=where, **(model_kwargs or {}))
+    finder = ScheduledBatchSizeFinder(schedule or OOM, verbose=False, write_report=False)
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        callbacks=[finder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(model)
+    return model, finder, trainer
+
+
+def _max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize(
+    "trainer_kwargs",
+    [
+        {},
+        {"accumulate_grad_batches": 2},
+        {"gradient_clip_val": 0.05},
+        {"precision": PRECISION_BF16},
+    ],
+    ids=["plain", "accumulate", "clip", "bf16"],
+)
+def test_recovered_run_equals_a_run_with_enough_memory(where: str, trainer_kwargs: dict[str, Any]) -> None:
+    base, _, base_trainer = _fit(None, **trainer_kwargs)
+    model, finder, trainer = _fit(300, where, **trainer_kwargs)
+    recoveries = [e for e in finder.history if e.trigger == "oom"]
+    assert recoveries, "the capacity must make some steps run out of memory"
+    assert all(e.micro_batches >= 2 and e.stage == "train" for e in recoveries)
+    assert trainer.global_step == base_trainer.global_step
+    assert set(model.trained.values()) == {1} and len(model.trained) == len(model.data)  # each sample once
+    tolerance = 1e-2 if "precision" in trainer_kwargs else 1e-5
+    assert _max_diff(base, model) < tolerance
+    base_loss = base_trainer.callback_metrics["train_loss"]
+    assert torch.allclose(trainer.callback_metrics["train_loss"], base_loss, atol=tolerance)
+
+
+def test_adamw_and_accumulation_inside_a_window_in_backward() -> None:
+    """Backward OOM on the second batch of an accumulation window: the first batch's gradients survive."""
+    kwargs = {"model_kwargs": {"optimizer": "adamw", "lr": 0.01}, "accumulate_grad_batches": 3}
+    base, _, _ = _fit(None, **kwargs)  # type: ignore[arg-type]
+    model, finder, _ = _fit(300, "backward", **kwargs)  # type: ignore[arg-type]
+    assert any(e.trigger == "oom" for e in finder.history)
+    assert _max_diff(base, model) < 1e-5
+
+
+def test_next_epoch_searches_below_the_failed_size_and_fits() -> None:
+    schedule = {"triggers": [{"kind": "oom"}], "search": {"steps_per_trial": 1}}
+    model, finder, _ = _fit(300, "forward", schedule, epochs=3, model_kwargs={"shuffle": False})
+    searches = [e for e in finder.history if not e.is_recovery]
+    assert searches and searches[0].trigger == "oom" and searches[0].epoch == 1
+    assert searches[0].batch_size_after < 16
+    assert searches[0].min_failing is not None and searches[0].min_failing <= 16
+    # each re-search lands below every size that failed before it: the run converges on a size that fits
+    failed = 16
+    for search in searches:
+        assert search.batch_size_after < failed
+        failed = min(
+            [failed] + [e.batch_size_after for e in finder.history if e.is_recovery and e.epoch == search.epoch]
+        )
+    assert model.batch_sizes[-1] <= searches[-1].batch_size_after
+
+
+def test_a_single_sample_that_does_not_fit_is_a_clear_error() -> None:
+    with pytest.raises(RetuneError, match=r"one sample does not fit.*") as info:
+        _fit(2, "forward")
+    assert "global step 0" in str(info.value) and "16 samples" in str(info.value)
+
+
+def test_custom_batch_needs_a_split_function() -> None:
+    class Batch:
+        def __init__(self, data: dict[str, torch.Tensor]) -> None:
+            self.data = data
+
+    class CustomBatchModel(TokenModel):
+        def train_dataloader(self) -> Any:
+            return DataLoader(self.data, batch_size=self.batch_size, collate_fn=lambda s: Batch(pad_collate(s)))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch.data, batch_idx)
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            pass
+
+    def fit(split: Any) -> Any:
+        seed(0)
+        model = CustomBatchModel(capacity=300)
+        finder = ScheduledBatchSizeFinder(OOM, verbose=False, write_report=False, split_batch=split)
+        trainer = pl.Trainer(
+            max_epochs=1,
+            callbacks=[finder],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+        )
+        trainer.fit(model)
+        return model
+
+    with pytest.raises(TypeError, match=r"cannot split a batch of type .*Batch.*split_batch=fn"):
+        fit(None)
+
+    from retune.split import split_batch
+
+    model = fit(lambda batch, pieces: [Batch(part) for part in split_batch(batch.data, pieces)])
+    assert set(model.trained.values()) == {1}
+
+
+def test_manual_optimization_is_refused_with_the_way_out() -> None:
+    class Manual(TokenModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    trainer = pl.Trainer(
+        max_epochs=1,
+        callbacks=[ScheduledBatchSizeFinder(OOM, verbose=False)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(RetuneError, match="manual optimization"):
+        trainer.fit(Manual())
+
+
+def test_evaluation_steps_recover_and_predictions_come_back_whole() -> None:
+    seed(0)
+    full = TokenModel(capacity=None)
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)
+    expected = trainer.predict(full)
+    expected_val = trainer.validate(full, verbose=False)
+
+    small = TokenModel(capacity=300)
+    small.load_state_dict(full.state_dict())
+    finder = ScheduledBatchSizeFinder(OOM, verbose=False, write_report=False)
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[finder])
+    got = trainer.predict(small)
+    assert got is not None and expected is not None and len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a["index"], b["index"]) and torch.allclose(a["logits"], b["logits"], atol=1e-6)
+    got_val = trainer.validate(small, verbose=False)
+    assert got_val[0]["val_loss"] == pytest.approx(expected_val[0]["val_loss"], abs=1e-6)
+    stages = {e.stage for e in finder.history if e.is_recovery}
+    assert stages == {"predict", "val"}
+    assert small.predict_step.__func__ is TokenModel.predict_step  # unwrapped after the loop
+
+
+def test_recovery_is_in_history_table_and_state_dict() -> None:
+    _, finder, _ = _fit(300, "forward")
+    event = next(e for e in finder.history if e.is_recovery)
+    assert event.trigger == "oom" and event.batch_size_before == event.batch_size_after == 16
+    assert "micro-batches" in event.note
+    from retune import report
+
+    table = report.format_table(finder.history)
+    assert "recovered out-of-memory step" in table and "split" in table
+    restored = ScheduledBatchSizeFinder(OOM, verbose=False)
+    restored.load_state_dict(finder.state_dict())
+    assert restored.history == finder.history
+
+
+@pytest.mark.skipif(LEGACY, reason="Lightning 1.9 has no 16-mixed on CPU")
+def test_fp16_grad_scaler() -> None:
+    pytest.importorskip("torch")
+    try:
+        base, _, _ = _fit(None, precision="16-mixed")
+    except Exception as exc:  # pragma: no cover - depends on the CPU build
+        pytest.skip(f"16-mixed unavailable on this CPU build: {exc}")
+    model, finder, _ = _fit(300, "backward", precision="16-mixed")
+    assert any(e.is_recovery for e in finder.history)
+    assert _max_diff(base, model) < 1e-2

@@ -1,0 +1,74 @@
+"""Pure splitting logic: every sample once, in order, containers rebuilt as they were."""
+
+from __future__ import annotations
+
+from collections import OrderedDict, namedtuple
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from retune.split import SplitError, batch_length, join_outputs, piece_sizes, split_batch
+
+
+def test_piece_sizes_cover_every_sample_and_never_exceed_the_total() -> None:
+    for total in range(1, 30):
+        for pieces in range(1, 40):
+            sizes = piece_sizes(total, pieces)
+            assert sum(sizes) == total and len(sizes) == min(pieces, total) and max(sizes) - min(sizes) <= 1
+
+
+def test_nested_containers_split_and_rebuild() -> None:
+    Pair = namedtuple("Pair", "x y")
+
+    @dataclass
+    class Item:
+        ids: torch.Tensor
+        names: list[str]
+
+    batch = {
+        "pair": Pair(torch.arange(5), torch.arange(5) * 2),
+        "item": Item(torch.arange(10).view(5, 2), ["a", "b", "c", "d", "e"]),
+        "scale": torch.tensor(3.0),
+        "task": "nli",
+        "od": OrderedDict(m=torch.ones(5, 1)),
+    }
+    parts = split_batch(batch, 2)
+    assert [batch_length(p) for p in parts] == [3, 2]
+    assert isinstance(parts[0]["pair"], Pair) and isinstance(parts[0]["od"], OrderedDict)
+    assert parts[1]["item"].names == ["d", "e"] and parts[1]["task"] == "nli"
+    assert torch.equal(torch.cat([p["pair"].y for p in parts]), batch["pair"].y)
+    assert parts[0]["scale"] is batch["scale"]
+
+
+def test_more_pieces_than_samples_gives_single_samples() -> None:
+    parts = split_batch((torch.zeros(3, 2), torch.arange(3)), 8)
+    assert len(parts) == 3 and all(batch_length(p) == 1 for p in parts)
+
+
+def test_unknown_type_and_ambiguous_batches_are_clear_errors() -> None:
+    class Opaque:
+        pass
+
+    with pytest.raises(SplitError, match=r"cannot split a batch of type .*Opaque.*split_batch=fn"):
+        split_batch(Opaque(), 2)
+    with pytest.raises(SplitError, match=r"disagree on their first dimension \(\[3, 4\]\)"):
+        split_batch((torch.zeros(3), torch.zeros(4)), 2)
+    with pytest.raises(SplitError, match="no tensor with a batch dimension"):
+        split_batch({"a": 1}, 2)
+
+
+def test_custom_split_function_is_used_and_checked() -> None:
+    assert split_batch([1, 2, 3, 4], 2, lambda b, n: [b[:2], b[2:]]) == [[1, 2], [3, 4]]
+    with pytest.raises(SplitError, match="no micro-batches"):
+        split_batch([1], 2, lambda b, n: [])
+
+
+def test_join_outputs_concatenates_batch_dimensions_and_keeps_scalars() -> None:
+    outs = [
+        {"logits": torch.ones(2, 3), "loss": torch.tensor(1.0), "ids": ["a", "b"]},
+        {"logits": torch.zeros(1, 3), "loss": torch.tensor(2.0), "ids": ["c"]},
+    ]
+    joined = join_outputs(outs)
+    assert joined["logits"].shape == (3, 3) and joined["loss"].item() == 2.0 and joined["ids"] == ["a", "b", "c"]
+    assert join_outputs([None, None]) is None
