@@ -20,6 +20,7 @@ from retune import compat, report
 from retune.apply import accumulation_for, lr_factor, scale_learning_rates
 from retune.errors import RetuneError
 from retune.events import RetuneEvent, Trial
+from retune.grad_sync import SyncedSteps
 from retune.loading import ScheduleSource, load_schedule
 from retune.memory import device_total_bytes
 from retune.probe import Prober
@@ -128,12 +129,6 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 )
         if stage != "fit":
             return
-        if self._oom is not None and compat.is_distributed(trainer):
-            raise RetuneError(
-                "the `oom` trigger does not support DDP yet: DDP synchronises gradients inside backward, so a rank "
-                "that runs out of memory would leave the others waiting in that collective; remove `oom` from the "
-                "schedule's triggers for multi-process runs (searches and their probes work under DDP as before)"
-            )
         if self._oom is not None and not pl_module.automatic_optimization:
             raise RetuneError(
                 "the `oom` trigger recovers a training step by re-running it in micro-batches inside Lightning's "
@@ -167,6 +162,11 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             return
         if self._train_recovery is not None:
             self._train_recovery.pieces = 1  # each epoch starts whole, at the size the search picks now
+        if self._oom is not None and compat.is_distributed(trainer):
+            # a rank that ran out of memory tells the others, so rank zero's trigger decision includes it
+            for known in compat.all_gather_object(trainer, self._oom.consume()):
+                if known is not None:
+                    self._oom.record(failed_size=known[1], fitting_size=known[0])
         view = self._view(trainer, pl_module)
         self._fit_starting = False
         # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
@@ -190,7 +190,23 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             on_recovered=lambda done: self._recovered(trainer, pl_module, "train", done),
         )
         self._train_recovery = recovery
-        self._undo += [compat.install_closure_runner(trainer, recovery.run), recovery.close]
+        run: Callable[[Any], Any] = recovery.run
+        if compat.is_distributed(trainer):
+            ddp = compat.ddp_wrapper(trainer)
+            if ddp is None:
+                raise RetuneError(
+                    f"the `oom` trigger under {type(trainer.strategy).__name__} needs a DDP-wrapped model"
+                )
+            synced = SyncedSteps(
+                ddp,
+                recovery.run,
+                accumulating=lambda: compat.batch_is_accumulating(trainer),
+                params=lambda: list(pl_module.parameters()),
+                buffers=lambda: list(pl_module.buffers()),
+            )
+            run = synced.run
+            self._undo.append(synced.close)
+        self._undo += [compat.install_closure_runner(trainer, run), recovery.close]
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._uninstall()

@@ -617,6 +617,18 @@ def install_closure_runner(trainer: Any, run: Callable[[Any], Any]) -> Callable[
     return undo
 
 
+def ddp_wrapper(trainer: Any) -> Any | None:
+    """The ``DistributedDataParallel`` module the strategy trains through, or None."""
+    model = getattr(trainer.strategy, "model", None)
+    return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
+def batch_is_accumulating(trainer: Any) -> bool:
+    """True while the current training batch ends without an optimizer step (inside an accumulation window)."""
+    loop = trainer.fit_loop.epoch_loop if is_legacy(trainer) else trainer.fit_loop
+    return bool(loop._should_accumulate())
+
+
 @contextmanager
 def micro_batch_logging(trainer: Any, batch: Any, keep: bool) -> Iterator[None]:
     """Where ``self.log`` calls of a micro-batch's step go.

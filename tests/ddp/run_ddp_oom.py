@@ -1,0 +1,79 @@
+"""One DDP run with the ``oom`` trigger on CPU (gloo, 2 processes); each rank writes its result as JSON.
+
+Run by tests/test_ddp_oom.py in a subprocess with a timeout, so a hang fails the test instead of
+hanging CI. Only rank 1 runs out of memory (tests/oom_oracle.py raises the real
+``torch.OutOfMemoryError`` above a padded-token capacity); rank 0 has memory for every batch.
+
+Usage: run_ddp_oom.py WHERE OUT   with WHERE one of forward, backward, none (no capacity on any
+rank: the reference run), single (rank 1 cannot fit one sample: every rank must stop with an error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from retune import ScheduledBatchSizeFinder
+from tests.lightning_ns import pl
+from tests.oom_oracle import TokenModel
+
+
+class RankTokenModel(TokenModel):
+    def __init__(self, rank1_capacity: int | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.rank1_capacity = rank1_capacity
+
+    def setup(self, stage: str) -> None:
+        if self.global_rank == 1:
+            self.capacity = self.rank1_capacity
+
+
+def main() -> None:
+    where, out = sys.argv[1], Path(sys.argv[2])
+    accumulate = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    capacity = {"forward": 300, "backward": 300, "none": None, "single": 2}[where]
+    model = RankTokenModel(capacity, where="backward" if where == "backward" else "forward", n=128, batch_size=16)
+    finder = ScheduledBatchSizeFinder({"triggers": [{"kind": "oom"}]}, verbose=False, write_report=False)
+    trainer = pl.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        callbacks=[finder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        accumulate_grad_batches=accumulate,
+    )
+    result: dict[str, Any] = {}
+    try:
+        trainer.fit(model)
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-2000:]
+    result.update(
+        rank=trainer.global_rank,
+        global_step=trainer.global_step,
+        weights=[p.detach().reshape(-1).tolist() for p in model.parameters()],
+        trained=sorted(model.trained.items()),
+        recoveries=[e.to_dict() for e in finder.history if e.is_recovery],
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
