@@ -51,6 +51,7 @@ def test_to_dict_fields_and_trials_as_pairs() -> None:
         "lr_factor": 1.0,
         "mode": "",
         "note": "",
+        "micro_batches": 0,
     }
     assert set(data) == {f.name for f in dataclasses.fields(RetuneEvent)}
 
@@ -60,6 +61,7 @@ def test_to_dict_fields_and_trials_as_pairs() -> None:
     [
         event(),
         event(trials=[], max_fitting=None, min_failing=None, direction="unknown"),
+        event(trigger="oom", trials=[], batch_size_after=64, micro_batches=4, note="out of memory in backward"),
         event(direction="cold", trigger="fit_start"),
         RetuneEvent(0, 0, "fit_start", "train", 2, 2),
     ],

@@ -21,7 +21,7 @@ BAD = Path(__file__).parent / "schedules_bad"
 # The one row without a file: it is about a path that does not exist.
 MISSING = "does_not_exist.yaml"
 
-TRIGGER_KINDS_TEXT = "fit_start, epoch, param_groups_changed, trainable_params_changed, fts_phase"
+TRIGGER_KINDS_TEXT = "fit_start, epoch, param_groups_changed, trainable_params_changed, fts_phase, oom"
 
 # (file name in schedules_bad/, expected problem path(s) in order, text the message must contain)
 CASES: list[Any] = [
