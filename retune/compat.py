@@ -105,6 +105,20 @@ def set_batch_attr(trainer: Any, pl_module: Any, name: str, value: int) -> None:
     _parsing(trainer).lightning_setattr(pl_module, name, value)
 
 
+def batch_attr_places(trainer: Any, pl_module: Any, name: str) -> list[tuple[str, Any]]:
+    """Every place Lightning's lookup finds ``name``, in its order, as ``("model.hparams.batch_size", 32)``
+    pairs: ``set_batch_attr`` writes all of them, ``get_batch_attr`` reads the last."""
+    datamodule = getattr(trainer, "datamodule", None)
+    labels = [(pl_module, "model"), (datamodule, "datamodule")]
+    labels += [(getattr(owner, "hparams", None), f"{label}.hparams") for owner, label in labels if owner is not None]
+    places = []
+    for holder in _parsing(trainer)._lightning_get_all_attr_holders(pl_module, name):
+        label = next((text for obj, text in labels if obj is holder), type(holder).__name__)
+        value = holder[name] if isinstance(holder, dict) else getattr(holder, name)
+        places.append((f"{label}.{name}", value))
+    return places
+
+
 # -- data --------------------------------------------------------------------------------------
 
 
