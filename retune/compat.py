@@ -448,8 +448,19 @@ def run_step(
     )
     no_grad = torch.inference_mode() if use_inference_mode else torch.no_grad()
     with no_grad, getattr(precision, context_name)():
-        args = (batch, batch_idx) if dataloader_idx is None else (batch, batch_idx, dataloader_idx)
-        getattr(pl_module, step_name)(*args)
+        step = getattr(pl_module, step_name)
+        step(*_eval_step_args(trainer, step, batch, batch_idx, dataloader_idx))
+
+
+def _eval_step_args(trainer: Any, step: Any, batch: Any, batch_idx: int, dataloader_idx: int | None) -> list[Any]:
+    """The evaluation step's positional arguments as Lightning builds them: ``dataloader_idx`` last
+    unless None, and on 2.x no ``batch_idx`` for a step whose signature does not take it."""
+    args = [batch, batch_idx] if dataloader_idx is None else [batch, batch_idx, dataloader_idx]
+    if not is_legacy(trainer):
+        signature = _module(namespace_of(trainer) + ".utilities.signature_utils")
+        if not signature.is_param_in_hook_signature(step, "batch_idx", min_args=2):
+            del args[1]
+    return args
 
 
 def training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

@@ -257,3 +257,15 @@ def test_a_combined_loader_in_a_zipping_mode_is_one_stream_without_dataloader_id
     _run("val", model, finder)
     assert finder.history[0].batch_size_after == FITS[1]
     assert {idx for idx, _ in model.transfers} == {0}
+
+
+@_ONLY_2X
+def test_a_step_without_batch_idx_is_called_without_it_as_on_lightning_2() -> None:
+    class NoBatchIdx(TwoLoaders):
+        def test_step(self, batch: Any) -> None:  # type: ignore[override]
+            self._step("test", batch, None)
+
+    model = NoBatchIdx(container="single", widths=(WIDTHS[1],))
+    finder = ScheduledBatchSizeFinder(_schedule("test"), verbose=False)
+    _run("test", model, finder)
+    assert finder.history[0].batch_size_after == FITS[1]
