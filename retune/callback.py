@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from retune import compat, report
 from retune.apply import accumulation_for, lr_factor, scale_learning_rates
+from retune.attrs import duplicate_attr_message, loader_batch_size
 from retune.errors import RetuneError
 from retune.events import RetuneEvent, Trial
 from retune.grad_sync import SyncedSteps
@@ -93,6 +94,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._restored = False
         self._disabled = False
         self._is_global_zero = True
+        self._warned_attrs: set[str] = set()  # batch-size attributes already reported as set in several places
 
     @property
     def batch_size(self) -> int | None:
@@ -335,6 +337,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             previous = SearchResult(state.size, min(fitting, failed - 1), failed)
             direction = "down"
         loader = compat.request_dataloader(trainer, stage)
+        self._warn_duplicate_attr(trainer, pl_module, name, stage, loader)
         plan = plan_search(
             mode=mode,
             init_val=config.init_val,
@@ -465,6 +468,18 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         ``batch_arg_name``: the per-stage API proposed when Lightning's finder was designed."""
         own = getattr(self.schedule.stage_batch_arg_names, stage)
         return own if compat.has_batch_attr(trainer, pl_module, own) else self.schedule.batch_arg_name
+
+    def _warn_duplicate_attr(self, trainer: Any, pl_module: Any, name: str, stage: str, loader: Any) -> None:
+        """Once per attribute name: it is set in several places (model and ``model.hparams``...), which
+        Lightning warns about too; retune keeps writing all of them (see ``retune.attrs``)."""
+        if name in self._warned_attrs:
+            return
+        places = compat.batch_attr_places(trainer, pl_module, name)
+        hook = compat.dataloader_hook(stage)
+        message = duplicate_attr_message(name, places, loader_batch_size(loader), hook)
+        if message is not None:
+            self._warned_attrs.add(name)
+            self._say(message, warn=True)
 
     def _separate_val(self, trainer: Any, pl_module: Any) -> bool:
         """Validation inside fit is tuned only through its own attribute: sharing ``batch_size`` with

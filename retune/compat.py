@@ -24,6 +24,7 @@ import importlib
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import cache
+from itertools import islice
 from types import ModuleType
 from typing import Any
 
@@ -104,6 +105,20 @@ def set_batch_attr(trainer: Any, pl_module: Any, name: str, value: int) -> None:
     _parsing(trainer).lightning_setattr(pl_module, name, value)
 
 
+def batch_attr_places(trainer: Any, pl_module: Any, name: str) -> list[tuple[str, Any]]:
+    """Every place Lightning's lookup finds ``name``, in its order, as ``("model.hparams.batch_size", 32)``
+    pairs: ``set_batch_attr`` writes all of them, ``get_batch_attr`` reads the last."""
+    datamodule = getattr(trainer, "datamodule", None)
+    labels = [(pl_module, "model"), (datamodule, "datamodule")]
+    labels += [(getattr(owner, "hparams", None), f"{label}.hparams") for owner, label in labels if owner is not None]
+    places = []
+    for holder in _parsing(trainer)._lightning_get_all_attr_holders(pl_module, name):
+        label = next((text for obj, text in labels if obj is holder), type(holder).__name__)
+        value = holder[name] if isinstance(holder, dict) else getattr(holder, name)
+        places.append((f"{label}.{name}", value))
+    return places
+
+
 # -- data --------------------------------------------------------------------------------------
 
 
@@ -178,10 +193,78 @@ def reload_dataloader(trainer: Any, stage: str) -> None:
     loop.reset()
 
 
-def batch_to_device(trainer: Any, pl_module: Any, batch: Any) -> Any:
-    """The same transfer the training loop does: ``on_before_batch_transfer``, then the strategy's."""
-    batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=0)
-    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
+def batch_to_device(trainer: Any, pl_module: Any, batch: Any, dataloader_idx: int | None = None) -> Any:
+    """The same transfer the loops do: ``on_before_batch_transfer``, then the strategy's. The hooks get
+    the batch's ``dataloader_idx`` (0 where the step does not take one, as Lightning passes them)."""
+    batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx or 0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=dataloader_idx or 0)
+
+
+def probe_batches(
+    trainer: Any, stage: str, loader: Any, steps: int
+) -> Generator[tuple[Any, int, int | None], None, None]:
+    """The batches of one trial, as the stage's loop feeds them: ``(batch, batch_idx, dataloader_idx)``.
+
+    ``dataloader_idx`` is None where the loop does not pass one to the step. Training: ``steps``
+    batches of what ``train_dataloader()`` returned, several loaders combined (``iterate_batches``).
+    Evaluation: up to ``steps`` batches of each loader, one loader after another (``eval_batches``).
+    Close the generator to end its loaders' workers.
+    """
+    if stage != "train":
+        yield from eval_batches(trainer, stage, loader, steps)
+        return
+    batches = iterate_batches(loader)
+    try:
+        for batch_idx in range(steps):
+            yield next(batches), batch_idx, None
+    finally:
+        batches.close()
+
+
+def eval_dataloaders(trainer: Any, loaders: Any) -> tuple[list[Any], bool]:
+    """The loaders an evaluation loop runs, in its order, and whether its step gets ``dataloader_idx``.
+
+    Lightning runs evaluation loaders one after another, never zipped. 2.x flattens what the hook
+    returned (a list, tuple, dict or a nesting of them) with a ``sequential`` ``CombinedLoader`` and
+    passes ``dataloader_idx`` to the step when there is more than one; a ``CombinedLoader`` the user
+    built in another mode is one stream of combined batches, without ``dataloader_idx``. 1.9 runs
+    the entries of a list or tuple (``None`` entries skipped), anything else as one loader, and
+    passes ``dataloader_idx`` when there is more than one.
+    """
+    if is_legacy(trainer):
+        flat = [dl for dl in loaders if dl is not None] if isinstance(loaders, (list, tuple)) else [loaders]
+        return flat, len(flat) > 1
+    combined_loader = _module(namespace_of(trainer) + ".utilities.combined_loader").CombinedLoader
+    combined = loaders if isinstance(loaders, combined_loader) else combined_loader(loaders, "sequential")
+    if combined._mode != "sequential":
+        return [_CombinedBatches(combined)], False
+    flat = list(combined.flattened)
+    return flat, len(flat) > 1
+
+
+class _CombinedBatches:
+    """The batches of a 2.x ``CombinedLoader``, whose iterator yields ``(batch, batch_idx, dataloader_idx)``."""
+
+    def __init__(self, combined: Any) -> None:
+        self.combined = combined
+
+    def __iter__(self) -> Iterator[Any]:
+        return (batch for batch, _, _ in self.combined)
+
+
+def eval_batches(
+    trainer: Any, stage: str, loaders: Any, steps: int
+) -> Generator[tuple[Any, int, int | None], None, None]:
+    """Up to ``steps`` batches of each evaluation loader in turn (an empty one is skipped, as Lightning
+    skips it); ``dataloader_idx`` where the loop would pass it to the step, else None."""
+    flat, pass_idx = eval_dataloaders(trainer, loaders)
+    produced = False
+    for dataloader_idx, loader in enumerate(flat):
+        for batch_idx, batch in enumerate(islice(loader, steps)):
+            produced = True
+            yield batch, batch_idx, dataloader_idx if pass_idx else None
+    if not produced:
+        raise RetuneError(f"the {stage} dataloaders yielded no batches, so no {stage} batch size can be probed")
 
 
 def iterate_batches(loader: Any) -> Generator[Any, None, None]:
@@ -349,9 +432,12 @@ _EVAL_STEPS = {"val": ("validation_step", "val_step_context"), "test": ("test_st
 _EVAL_STEPS["predict"] = ("predict_step", "predict_step_context")
 
 
-def run_step(trainer: Any, pl_module: Any, stage: str, batch: Any, batch_idx: int) -> None:
+def run_step(
+    trainer: Any, pl_module: Any, stage: str, batch: Any, batch_idx: int, dataloader_idx: int | None = None
+) -> None:
     """One real step of ``stage``: a training step, or an evaluation step as Lightning runs it (eval
-    mode is set by the caller; no gradients, under ``inference_mode`` when the trainer uses it)."""
+    mode is set by the caller; no gradients, under ``inference_mode`` when the trainer uses it), with
+    ``dataloader_idx`` as its third argument unless it is None (see ``eval_dataloaders``)."""
     if stage == "train":
         training_step(trainer, pl_module, batch, batch_idx)
         return
@@ -362,7 +448,19 @@ def run_step(trainer: Any, pl_module: Any, stage: str, batch: Any, batch_idx: in
     )
     no_grad = torch.inference_mode() if use_inference_mode else torch.no_grad()
     with no_grad, getattr(precision, context_name)():
-        getattr(pl_module, step_name)(batch, batch_idx)
+        step = getattr(pl_module, step_name)
+        step(*_eval_step_args(trainer, step, batch, batch_idx, dataloader_idx))
+
+
+def _eval_step_args(trainer: Any, step: Any, batch: Any, batch_idx: int, dataloader_idx: int | None) -> list[Any]:
+    """The evaluation step's positional arguments as Lightning builds them: ``dataloader_idx`` last
+    unless None, and on 2.x no ``batch_idx`` for a step whose signature does not take it."""
+    args = [batch, batch_idx] if dataloader_idx is None else [batch, batch_idx, dataloader_idx]
+    if not is_legacy(trainer):
+        signature = _module(namespace_of(trainer) + ".utilities.signature_utils")
+        if not signature.is_param_in_hook_signature(step, "batch_idx", min_args=2):
+            del args[1]
+    return args
 
 
 def training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:

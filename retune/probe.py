@@ -162,27 +162,30 @@ class Prober:
     def _run_steps(self, loader: Any) -> int | None:
         """Run the steps; return the largest step peak (None when not tracked or not measurable).
 
+        An evaluation stage with several dataloaders runs ``steps_per_trial`` steps on each, one loader
+        after another as Lightning does, so the trial fits only if every loader's steps fit, and its
+        peak is the largest of them: one size for all the stage's loaders.
+
         Only the step is measured, from the device transfer on: the dataloader's own work (collate,
         per-sample conversion) is host-side and, under the CPU tracker, slow to trace. On CPU the
         batch the loader produced is added to the step's peak, since there it is the step's memory.
         """
-        batches = compat.iterate_batches(loader)  # a generator: close() ends its loader's workers
+        batches = compat.probe_batches(self.trainer, self.stage, loader, self.steps_per_trial)  # close() ends workers
         device = self.pl_module.device
         optimizers = list(self.trainer.optimizers) if self.stage == "train" else []
         if self.stage != "train":
             self.pl_module.eval()  # the snapshot puts the train/eval flags back
         peak: int | None = None
         try:
-            for batch_idx in range(self.steps_per_trial):
-                raw = next(batches)
+            for raw, batch_idx, dataloader_idx in batches:
                 if not self.track_memory:
-                    batch = compat.batch_to_device(self.trainer, self.pl_module, raw)
-                    compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx)
+                    batch = compat.batch_to_device(self.trainer, self.pl_module, raw, dataloader_idx)
+                    compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx, dataloader_idx)
                     del batch, raw
                     continue
                 with measure_peak(device, self.pl_module, optimizers) as reading:
-                    batch = compat.batch_to_device(self.trainer, self.pl_module, raw)
-                    compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx)
+                    batch = compat.batch_to_device(self.trainer, self.pl_module, raw, dataloader_idx)
+                    compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx, dataloader_idx)
                 step_peak = reading.peak_bytes
                 if step_peak is not None and device.type == "cpu":
                     step_peak += tensor_bytes(raw)
