@@ -11,6 +11,17 @@ peak — the same quantity CUDA's ``max_memory_allocated`` reports, minus alloca
 
 It measures tensor storage only: Python objects, the allocator's caching and fragmentation are not
 included. That is what a budget should bound on CPU, where there is no fixed device to overflow.
+
+``torch.compile`` and the tracker: dynamo refuses to compile a frame while a user
+``TorchDispatchMode`` is active and marks that code object *skipped for the rest of the process*, so
+a compiled module whose first call happened inside a tracked probe would train uncompiled, silently.
+And where dynamo does compile under a mode, inductor's generated code allocates its buffers outside
+the dispatcher, where no mode can count them (a step's peak reads as almost nothing). So the tracker
+holds the compiler in its ``force_eager`` stance while it is active: a compiled module runs its
+original code eagerly inside the probe (dynamo never sees the frame, nothing is marked skipped, and
+the step's memory is fully counted), and compiles at its first call outside, in training. The
+eager step's peak is what a CPU probe measures for a compiled model; a compiled step usually needs
+less (fusion, fewer saved activations), so the size found is on the safe side.
 """
 
 from __future__ import annotations
@@ -18,8 +29,9 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -45,6 +57,31 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.live_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}
+        self._stances: list[AbstractContextManager[Any]] = []
+
+    def __enter__(self) -> CpuPeakTracker:
+        # force_eager before the mode is pushed: see the module docstring (torch < 2.6 has no stances)
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if set_stance is not None:
+            stance = set_stance("force_eager")  # sets it now; its __exit__ restores the previous stance
+            stance.__enter__()
+            self._stances.append(stance)
+        else:
+            self._stances.append(nullcontext())
+        try:
+            super().__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._stances.pop().__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+        finally:
+            self._stances.pop().__exit__(None, None, None)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
