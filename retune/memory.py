@@ -26,11 +26,11 @@ less (fusion, fewer saved activations), so the size found is on the safe side.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -135,13 +135,41 @@ def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Opt
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes of the distinct tensor storages in a (nested) batch."""
+    """Bytes of the distinct tensor storages in a (nested) batch.
+
+    Batches come in every container Lightning can move to a device, not only the ones torch's pytree
+    knows: Hugging Face's ``BatchEncoding`` is a ``UserDict``, which pytree treats as one opaque leaf
+    (its tensors would count as 0 bytes). So mappings of any kind, sequences and dataclasses are
+    walked here, and pytree is asked only about the rest (its registered containers).
+    """
     seen: dict[int, int] = {}
-    for leaf in tree_leaves(obj):
-        if isinstance(leaf, torch.Tensor):
-            storage = leaf.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
+    for tensor in _batch_tensors(obj, set()):
+        storage = tensor.untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
+
+
+def _batch_tensors(obj: Any, visited: set[int]) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if obj is None or isinstance(obj, (str, bytes, int, float, bool)) or id(obj) in visited:
+        return
+    visited.add(id(obj))  # a container that holds itself, or one met twice, is walked once
+    children: Iterable[Any]
+    if isinstance(obj, Mapping):
+        children = obj.values()
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        children = [getattr(obj, field.name) for field in dataclasses.fields(obj)]
+    else:
+        leaves = tree_leaves(obj)
+        if len(leaves) == 1 and leaves[0] is obj:
+            return  # not a container anyone registered: no tensors to count
+        children = leaves
+    for child in children:
+        yield from _batch_tensors(child, visited)
 
 
 def device_total_bytes(device: torch.device) -> int | None:
@@ -156,7 +184,7 @@ def device_total_bytes(device: torch.device) -> int | None:
     return None
 
 
-@dataclass
+@dataclasses.dataclass
 class PeakReading:
     """Filled in when the measured block ends; ``peak_bytes`` is None when no statistic exists."""
 
