@@ -150,3 +150,31 @@ def test_a_compiled_model_trains_compiled_when_its_first_call_is_a_probe(mode: s
         assert all(fits == (peak <= 2**20) for (_, fits), peak in zip(event.trials, event.peak_bytes, strict=True))
         assert 1 < finder.batch_size < 512, "the budget, not the cap, set the size"
     assert any(not torch.equal(a, b) for a, b in zip(initial, model.parameters(), strict=True)), "it trained"
+
+
+def test_a_compiled_lightning_module_trains_compiled_under_a_budget() -> None:
+    # Lightning unwraps torch.compile(module) and compiles its forward and *_step methods in place (both stacks)
+    seed(0)
+    backend = CountingBackend()
+    model = CompiledMLP(CountingBackend())
+    model.net = model.net._orig_mod  # only the whole module is compiled here
+    schedule = {
+        "search": {"mode": "binsearch", "steps_per_trial": 1, "max_val": 512, "margin": 0.0},
+        "memory": {"budget": "1MiB"},
+        "triggers": [{"kind": "fit_start"}],
+    }
+    finder = ScheduledBatchSizeFinder(schedule, verbose=False)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        limit_train_batches=3,
+        callbacks=[finder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(torch.compile(model, backend=backend))
+    (event,) = finder.history
+    assert 1 < finder.batch_size < 512 and all(peak is not None for peak in event.peak_bytes)
+    assert backend.compiles >= 1, "the module was compiled"
+    assert backend.calls == trainer.global_step == 3, "the probes ran eagerly, every training step compiled"
