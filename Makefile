@@ -3,7 +3,7 @@
 # GPU users install their own torch first (README, "GPU").
 PYTHON ?= python3.11
 TORCH ?= torch==2.13.0
-# main stack: Lightning 2.6 (pytorch_lightning and lightning.pytorch), finetuning-scheduler
+# main stack: Lightning 2.6 (pytorch_lightning and lightning.pytorch), finetuning-scheduler, transformers + peft
 VENV ?= .venv
 BIN := $(VENV)/bin
 # Flash stack: pytorch-lightning 1.9.5 + lightning-flash 0.8.2 (cannot share an environment with 2.x)
@@ -14,7 +14,7 @@ FLASH_BIN := $(FLASH_VENV)/bin
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH) -e ".[lightning,fts,demo,dev]"
+	$(BIN)/pip install --quiet $(TORCH) -e ".[lightning,fts,hf,demo,dev]"
 	touch $@
 
 $(FLASH_BIN)/.installed: pyproject.toml requirements/flash.txt requirements/flash-constraints.txt

@@ -522,17 +522,23 @@ def hooks_isolated(trainer: Any, pl_module: Any, stage: str = "train") -> Iterat
 
     Callbacks and loggers are swapped for none / a dummy logger; ``self.log`` calls go to a throwaway
     result collection. Everything is put back even when the probe raises.
+
+    The progress bar stays: it implements none of the hooks a probe step calls, and
+    ``RichProgressBar`` (Lightning's default wherever ``rich`` is installed, as it is with Hugging
+    Face's libraries) redraws from its own thread and asserts that ``trainer.progress_bar_callback``
+    is still itself: hidden, every redraw during a search printed an ``AssertionError`` traceback.
     """
     ns = namespace_of(trainer)
     owner = _results_owner(trainer)
     saved_callbacks = trainer.callbacks
+    progress_bar = trainer.progress_bar_callback
     saved_loggers = list(trainer.loggers)
     saved_results = None if owner is None else owner._results
     saved_fx = pl_module._current_fx_name
     result_cls = _module(ns + ".trainer.connectors.logger_connector.result")._ResultCollection
     dummy = _module(ns + ".loggers.logger").DummyLogger
     try:
-        trainer.callbacks = []
+        trainer.callbacks = [] if progress_bar is None else [progress_bar]
         trainer.loggers = [dummy()] if saved_loggers else []
         if owner is not None and saved_results is not None:
             owner._results = result_cls(training=stage == "train")

@@ -11,15 +11,27 @@ peak — the same quantity CUDA's ``max_memory_allocated`` reports, minus alloca
 
 It measures tensor storage only: Python objects, the allocator's caching and fragmentation are not
 included. That is what a budget should bound on CPU, where there is no fixed device to overflow.
+
+``torch.compile`` and the tracker: dynamo refuses to compile a frame while a user
+``TorchDispatchMode`` is active and marks that code object *skipped for the rest of the process*, so
+a compiled module whose first call happened inside a tracked probe would train uncompiled, silently.
+And where dynamo does compile under a mode, inductor's generated code allocates its buffers outside
+the dispatcher, where no mode can count them (a step's peak reads as almost nothing). So the tracker
+holds the compiler in its ``force_eager`` stance while it is active: a compiled module runs its
+original code eagerly inside the probe (dynamo never sees the frame, nothing is marked skipped, and
+the step's memory is fully counted), and compiles at its first call outside, in training. The
+eager step's peak is what a CPU probe measures for a compiled model; a compiled step usually needs
+less (fusion, fewer saved activations), so the size found is on the safe side.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -45,6 +57,31 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.live_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}
+        self._stances: list[AbstractContextManager[Any]] = []
+
+    def __enter__(self) -> CpuPeakTracker:
+        # force_eager before the mode is pushed: see the module docstring (torch < 2.6 has no stances)
+        set_stance = getattr(torch.compiler, "set_stance", None)
+        if set_stance is not None:
+            stance = set_stance("force_eager")  # sets it now; its __exit__ restores the previous stance
+            stance.__enter__()
+            self._stances.append(stance)
+        else:
+            self._stances.append(nullcontext())
+        try:
+            super().__enter__()  # type: ignore[no-untyped-call]
+        except BaseException:
+            self._stances.pop().__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)  # type: ignore[no-untyped-call]
+        finally:
+            self._stances.pop().__exit__(None, None, None)
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -98,13 +135,41 @@ def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Opt
 
 
 def tensor_bytes(obj: Any) -> int:
-    """Bytes of the distinct tensor storages in a (nested) batch."""
+    """Bytes of the distinct tensor storages in a (nested) batch.
+
+    Batches come in every container Lightning can move to a device, not only the ones torch's pytree
+    knows: Hugging Face's ``BatchEncoding`` is a ``UserDict``, which pytree treats as one opaque leaf
+    (its tensors would count as 0 bytes). So mappings of any kind, sequences and dataclasses are
+    walked here, and pytree is asked only about the rest (its registered containers).
+    """
     seen: dict[int, int] = {}
-    for leaf in tree_leaves(obj):
-        if isinstance(leaf, torch.Tensor):
-            storage = leaf.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
+    for tensor in _batch_tensors(obj, set()):
+        storage = tensor.untyped_storage()
+        seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
+
+
+def _batch_tensors(obj: Any, visited: set[int]) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        return
+    if obj is None or isinstance(obj, (str, bytes, int, float, bool)) or id(obj) in visited:
+        return
+    visited.add(id(obj))  # a container that holds itself, or one met twice, is walked once
+    children: Iterable[Any]
+    if isinstance(obj, Mapping):
+        children = obj.values()
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        children = [getattr(obj, field.name) for field in dataclasses.fields(obj)]
+    else:
+        leaves = tree_leaves(obj)
+        if len(leaves) == 1 and leaves[0] is obj:
+            return  # not a container anyone registered: no tensors to count
+        children = leaves
+    for child in children:
+        yield from _batch_tensors(child, visited)
 
 
 def device_total_bytes(device: torch.device) -> int | None:
@@ -119,7 +184,7 @@ def device_total_bytes(device: torch.device) -> int | None:
     return None
 
 
-@dataclass
+@dataclasses.dataclass
 class PeakReading:
     """Filled in when the measured block ends; ``peak_bytes`` is None when no statistic exists."""
 

@@ -547,6 +547,25 @@ def test_other_callbacks_do_not_see_probe_steps() -> None:
     }
 
 
+def test_the_progress_bar_stays_visible_to_the_trainer_during_probes() -> None:
+    # RichProgressBar (Lightning's default wherever rich is installed, as with Hugging Face's libraries)
+    # redraws from its own thread and asserts that trainer.progress_bar_callback is itself; with every
+    # callback hidden during probes, each redraw in a search printed an AssertionError traceback
+    bar = callbacks.TQDMProgressBar(refresh_rate=0)  # a progress bar that draws nothing
+    seen: list[Any] = []
+
+    class Model(C.AttrModel):  # type: ignore[misc,name-defined]
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append(self.trainer.progress_bar_callback)
+            return super().training_step(batch, batch_idx)
+
+    model = Model()
+    finder = ScheduledBatchSizeFinder(schedule("fit_start", steps_per_trial=2), verbose=False)
+    make_trainer(bar, finder, enable_progress_bar=True).fit(model)
+    assert len(seen) >= len(finder.history[0].trials) + len(model.seen)  # at least one step per trial
+    assert all(s is bar for s in seen)
+
+
 # -- 7. console output ----------------------------------------------------------------------
 
 

@@ -6,6 +6,8 @@ is a real limit and the true maximum is found by probing every candidate with th
 
 from __future__ import annotations
 
+from collections import OrderedDict, UserDict
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -15,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
-from retune.memory import CpuPeakTracker, measure_peak, resident_bytes
+from retune.memory import CpuPeakTracker, measure_peak, resident_bytes, tensor_bytes
 from retune.search import MemoryModel, SearchPlan, SearchResult, plan_search, run_model_search
 from tests.lightning_ns import pl
 
@@ -56,6 +58,28 @@ def test_resident_bytes_counts_params_buffers_and_optimizer_state_once() -> None
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
     assert resident_bytes(model, [opt]) == params + buffers + state
+
+
+def test_tensor_bytes_walks_every_batch_container_lightning_moves() -> None:
+    # Hugging Face's BatchEncoding is a UserDict, which torch's pytree treats as one opaque leaf
+    ids = torch.zeros(4, 16, dtype=torch.long)  # 512 bytes
+    mask = torch.ones(4, 16, dtype=torch.long)  # 512 bytes
+    labels = torch.zeros(4, dtype=torch.long)  # 32 bytes
+
+    @dataclass
+    class Batch:
+        inputs: Any
+        labels: torch.Tensor
+        name: str = "b"
+
+    batch = UserDict({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    assert tensor_bytes(batch) == 1056
+    assert tensor_bytes(Batch(inputs=batch, labels=labels)) == 1056  # the labels' storage counts once
+    assert tensor_bytes([{"x": ids[:2]}, (mask, None, 3, "text")]) == 1024  # a view counts its storage
+    assert tensor_bytes(OrderedDict(a=ids)) == 512 and tensor_bytes(object()) == 0
+    looped: dict[str, Any] = {"ids": ids}
+    looped["self"] = looped
+    assert tensor_bytes(looped) == 512
 
 
 class WideMLP(pl.LightningModule):  # type: ignore[misc,name-defined]
