@@ -72,3 +72,15 @@ def test_join_outputs_concatenates_batch_dimensions_and_keeps_scalars() -> None:
     joined = join_outputs(outs)
     assert joined["logits"].shape == (3, 3) and joined["loss"].item() == 2.0 and joined["ids"] == ["a", "b", "c"]
     assert join_outputs([None, None]) is None
+
+
+def test_hugging_face_batch_encoding_splits_into_batch_encodings() -> None:
+    transformers = pytest.importorskip("transformers")
+    batch = transformers.BatchEncoding(
+        {"input_ids": torch.arange(12).view(4, 3), "attention_mask": torch.ones(4, 3), "labels": torch.arange(4)}
+    )
+    parts = split_batch(batch, 2)
+    assert all(isinstance(p, transformers.BatchEncoding) for p in parts)
+    assert [p["labels"].tolist() for p in parts] == [[0, 1], [2, 3]]
+    assert parts[1].input_ids.shape == (2, 3)  # attribute access still works
+    assert torch.equal(join_outputs([{"logits": p["input_ids"]} for p in parts])["logits"], batch["input_ids"])
