@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +23,7 @@ from retune.events import RetuneEvent, Trial
 from retune.loading import ScheduleSource, load_schedule
 from retune.memory import device_total_bytes
 from retune.probe import Prober
+from retune.probe_batches import ProbeBatches
 from retune.search import Direction, MemoryModel, Mode, SearchResult, plan_search, run_model_search, run_search
 from retune.triggers import TrainingView, Trigger, build_triggers, evaluate
 
@@ -42,6 +43,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         schedule: a schedule file (YAML, JSON or TOML), a dict, or a :class:`~retune.RetuneSchedule`.
         triggers: extra :class:`~retune.Trigger` objects, checked after the schedule's own.
         verbose: print one line per trial and a summary per search (rank zero only).
+        sample_size: ``fn(sample) -> int``, the size of ``dataset[i]`` that ``search.probe_samples: largest``
+            ranks samples by (default: the number of elements in its tensors, numbers and strings).
 
     Example::
 
@@ -65,8 +68,10 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         verbose: bool = True,
         out_dir: str | Path | None = None,
         write_report: bool = True,
+        sample_size: Callable[[Any], int] | None = None,
     ) -> None:
         self.schedule = load_schedule(schedule)
+        self.probe_batches = ProbeBatches.from_schedule(self.schedule, schedule, sample_size, say=self._say)
         self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
         self.verbose = verbose
         self.out_dir = None if out_dir is None else Path(out_dir)
@@ -227,6 +232,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             on_trial=self._report_trial,
             stage=stage,
             track_memory=mode == "model" or device.type == "cuda",
+            arrange=lambda loader: self.probe_batches.arrange(loader, stage, config.steps_per_trial),
         )
         try:
             with prober.session():
