@@ -192,11 +192,15 @@ class ProbeBatches:
         candidates = candidate_indices(loader.batch_sampler.sampler, len(dataset))
         if not candidates:
             return loader
-        problem = self._unindexable(dataset, candidates[0])
-        if problem is not None:
-            self._warn_once(where, f"probe_samples: largest cannot pick the {where} dataloader's samples: {problem}")
-            return loader
-        scan, fresh = self.cache.get(dataset, candidates, self.size_fn, self.scan_limit)
+        scan, fresh = self.cache.find(dataset, candidates, self.size_fn, self.scan_limit), False
+        if scan is None:
+            problem = self._unindexable(dataset, candidates[0])
+            if problem is not None:
+                self._warn_once(
+                    where, f"probe_samples: largest cannot pick the {where} dataloader's samples: {problem}"
+                )
+                return loader
+            scan, fresh = self.cache.get(dataset, candidates, self.size_fn, self.scan_limit)
         if fresh:
             self.scan_seconds += scan.seconds
             per_sample = scan.seconds / max(scan.scanned, 1)

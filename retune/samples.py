@@ -309,6 +309,18 @@ class SizeCache:
 
     def get(self, dataset: Any, candidates: Sequence[int], size_fn: SizeFn, limit: int | None) -> tuple[SizeScan, bool]:
         """The dataset's scan, and whether it was just computed (False: from the cache)."""
+        known = self.find(dataset, candidates, size_fn, limit)
+        if known is not None:
+            return known, False
+        scan = scan_sizes(dataset, candidates, size_fn, limit)
+        self.scans += 1
+        fingerprint = self._fingerprint(dataset, candidates, size_fn)
+        self.entries.append(_Entry(dataset, candidates, size_fn, limit, fingerprint, scan))
+        del self.entries[: -self.max_entries]
+        return scan, True
+
+    def find(self, dataset: Any, candidates: Sequence[int], size_fn: SizeFn, limit: int | None) -> SizeScan | None:
+        """The cached scan of this dataset, or of one with the same type, length and fingerprint; else None."""
         similar = [
             e
             for e in self.entries
@@ -319,19 +331,14 @@ class SizeCache:
         ]
         for entry in similar:
             if entry.dataset is dataset:
-                return entry.scan, False
+                return entry.scan
         if similar:
             fingerprint = self._fingerprint(dataset, candidates, size_fn)
             for entry in similar:
                 if entry.fingerprint == fingerprint and len(entry.dataset) == len(dataset):
                     entry.dataset = dataset  # hold the newest object; the old one may be freed
-                    return entry.scan, False
-        scan = scan_sizes(dataset, candidates, size_fn, limit)
-        self.scans += 1
-        fingerprint = self._fingerprint(dataset, candidates, size_fn)
-        self.entries.append(_Entry(dataset, candidates, size_fn, limit, fingerprint, scan))
-        del self.entries[: -self.max_entries]
-        return scan, True
+                    return entry.scan
+        return None
 
     @staticmethod
     def _fingerprint(dataset: Any, candidates: Sequence[int], size_fn: SizeFn) -> tuple[int, ...]:

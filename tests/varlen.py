@@ -12,8 +12,10 @@ order a few times out of four), where probes on the first batches never see them
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,10 +35,11 @@ BUDGET = "6MiB"
 class TokenDataset(Dataset[dict[str, Any]]):
     """``{"input_ids": LongTensor[length], "label": int}``; lengths from ``lengths`` (one per sample)."""
 
-    def __init__(self, lengths: list[int], seed: int = 0) -> None:
+    def __init__(self, lengths: list[int], seed: int = 0, augment: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.rows = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
         self.labels = torch.randint(0, 4, (len(lengths),), generator=g).tolist()
+        self.augment = augment
         self.reads = 0
 
     def __len__(self) -> int:
@@ -44,7 +47,21 @@ class TokenDataset(Dataset[dict[str, Any]]):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         self.reads += 1
-        return {"input_ids": self.rows[index], "label": self.labels[index]}
+        ids = self.rows[index]
+        if self.augment:  # token dropout drawing from torch's, Python's and NumPy's global RNG
+            ids = ids.clone()
+            ids[int(torch.randint(0, len(ids), ()))] = 1 + int(random.random() * 3) + int(np.random.randint(0, 3))
+        return {"input_ids": ids, "label": self.labels[index]}
+
+
+def token_count(sample: dict[str, Any]) -> int:
+    """A ``sample_size`` function: the number of tokens (what padding grows with)."""
+    return len(sample["input_ids"])
+
+
+def shortest_first(sample: dict[str, Any]) -> int:
+    """A deliberately wrong ``sample_size``: ranks the shortest samples as the largest."""
+    return 10_000 - len(sample["input_ids"])
 
 
 def lengths(n: int = N_SAMPLES, long_at: tuple[int, ...] = LONG_AT) -> list[int]:
@@ -72,12 +89,9 @@ class TokenClassifier(pl.LightningModule):  # type: ignore[misc]
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.generator = torch.Generator().manual_seed(seed) if shuffle else None
-        self.seen: list[list[int]] = []  # the input ids of every real batch, for order checks
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, labels = batch
-        if not self.trainer.sanity_checking:
-            self.seen.append(ids[:, 0].tolist())
         hidden = self.mlp(self.embed(ids))
         mask = (ids > 0).unsqueeze(-1).to(hidden.dtype)
         pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
@@ -85,7 +99,11 @@ class TokenClassifier(pl.LightningModule):  # type: ignore[misc]
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(
-            self.data, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=pad_collate, generator=self.generator
+            self.data,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            collate_fn=pad_collate,
+            generator=self.generator,
         )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -111,6 +129,16 @@ class StepPeaks(pl.Callback):  # type: ignore[misc]
         self._open.__exit__(None, None, None)
         self._open = None
         self.peaks.append(int(self._reading.peak_bytes) + self._batch_bytes)
+
+
+class SeenBatches(pl.Callback):  # type: ignore[misc]
+    """The token ids of every real batch (probe steps are hidden from callbacks), for order checks."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[list[int]]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append(batch[0].tolist())
 
 
 def trainer(callbacks: list[Any], epochs: int = 1, **kwargs: Any) -> Any:
