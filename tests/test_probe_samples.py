@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler, SequentialSampler
 
 from retune import ScheduledBatchSizeFinder, ScheduleError
 from retune.errors import RetuneError
@@ -122,11 +122,43 @@ class _BucketModel(TokenClassifier):
         return DataLoader(self.data, batch_sampler=sampler, collate_fn=pad_collate)
 
 
+class _Keyed(Dataset):  # type: ignore[type-arg]
+    """A map-style dataset keyed by name, not position."""
+
+    def __init__(self, data: TokenDataset) -> None:
+        self.rows = {f"s{i}": data[i] for i in range(len(data))}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.rows[key]
+
+
+class _KeySampler(Sampler[str]):
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = keys
+
+    def __iter__(self) -> Any:
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class _KeyedModel(TokenClassifier):
+    def train_dataloader(self) -> DataLoader[Any]:
+        keyed = _Keyed(self.data)
+        sampler = _KeySampler(list(keyed.rows))
+        return DataLoader(keyed, batch_size=self.batch_size, sampler=sampler, collate_fn=pad_collate)
+
+
 @pytest.mark.parametrize(
     ("model_cls", "reason"),
     [
         (_StreamModel, "its dataset (_Stream) is an IterableDataset, which has no random access"),
         (_BucketModel, "its batch_sampler (_BucketSampler) decides which samples go together"),
+        (_KeyedModel, "dataset[0] raised KeyError: 0; its sampler does not draw positions"),
     ],
 )
 def test_loaders_it_cannot_reorder_warn_once_and_probe_the_first_batches(

@@ -261,3 +261,16 @@ def test_arrange_largest_gives_the_b_largest_for_every_step() -> None:
     reads = data.reads
     batches.arrange(DataLoader(data, batch_size=5, collate_fn=pad_collate), "train", steps=2)
     assert data.reads == reads  # the next trial reuses the scan
+
+
+def test_the_copy_keeps_the_users_workers_and_never_shares_a_persistent_pool() -> None:
+    data = _data([2, 9, 3, 4])
+    loader = DataLoader(data, batch_size=2, num_workers=1, persistent_workers=True, collate_fn=pad_collate)
+    assert len(list(loader)) == 2
+    pool = loader._iterator
+    assert pool is not None  # the user's persistent workers
+    probe = with_index_order(loader, [1, 3], 2)
+    assert probe.num_workers == 1 and probe._iterator is None and not probe.persistent_workers
+    ((ids, _),) = list(probe)  # read by a worker process, collated by the user's function
+    assert ids.shape == (2, 9)
+    assert loader._iterator is pool and loader.persistent_workers
