@@ -41,6 +41,10 @@ from retune.schedule import RetuneSchedule
 log = logging.getLogger("retune")
 
 
+def _log(message: str, warn: bool = False) -> None:
+    log.log(logging.WARNING if warn else logging.INFO, message)
+
+
 class _FixedOrder(Sampler[int]):
     """Yields the given indices, in order (the probe's chosen samples)."""
 
@@ -122,14 +126,14 @@ class ProbeBatches:
         mode: str = "first",
         sample_size: SizeFn | None = None,
         scan_limit: int | None = None,
-        warn: Callable[[str], None] = log.warning,
-        info: Callable[[str], None] = log.info,
+        say: Callable[..., None] | None = None,
     ) -> None:
         self.mode = mode
         self.size_fn: SizeFn = sample_size or default_sample_size
         self.scan_limit = scan_limit
-        self.warn = warn
-        self.info = info
+        self.say = say or _log
+        """``say(message, warn=False)``: the callback's rank-zero printer (a bound method, so that the
+        callback still pickles for ``ddp_spawn``)."""
         self.cache = SizeCache()
         self.scan_seconds = 0.0
         """Time spent scanning sample sizes, over the whole run."""
@@ -165,8 +169,7 @@ class ProbeBatches:
             search.probe_samples,
             sample_size,
             search.scan_limit,
-            warn=lambda message: say(message, warn=True),
-            info=lambda message: say(message),
+            say=say,
         )
 
     def arrange(self, loader: Any, stage: str, steps: int) -> Any:
@@ -204,7 +207,7 @@ class ProbeBatches:
         if fresh:
             self.scan_seconds += scan.seconds
             per_sample = scan.seconds / max(scan.scanned, 1)
-            self.info(
+            self.say(
                 f"scanned the sizes of {scan.scanned} of {len(candidates)} {where} samples in {scan.seconds:.2f}s "
                 f"({per_sample * 1e6:.0f} us per sample); largest {scan.sizes[0] if scan.sizes else 0}"
             )
@@ -249,7 +252,7 @@ class ProbeBatches:
         key = f"{where}: {message}"
         if key not in self._warned:
             self._warned.add(key)
-            self.warn(message)
+            self.say(message, warn=True)
 
 
 __all__ = ["ProbeBatches", "candidate_indices", "why_not_reorderable", "with_index_order"]

@@ -8,6 +8,7 @@ each batch, all long ones past the first batches. Budgets are CPU budgets measur
 from __future__ import annotations
 
 import logging
+import pickle
 import random
 from typing import Any
 
@@ -218,3 +219,10 @@ def test_the_scan_leaves_the_runs_data_order_and_rng_untouched() -> None:
     assert seen == seen_ref
     assert all(torch.equal(a, b) for a, b in zip(params, params_ref, strict=True))
     assert after[:3] == after_ref[:3] and torch.equal(after[3], after_ref[3])
+
+
+def test_the_callback_still_pickles_for_ddp_spawn() -> None:
+    """``ddp_spawn`` pickles every callback; the size function travels by reference."""
+    finder = ScheduledBatchSizeFinder(schedule("largest", sample_size="tests.varlen.token_count"), verbose=False)
+    copy = pickle.loads(pickle.dumps(finder))
+    assert copy.probe_batches.size_fn is token_count and copy.probe_batches.mode == "largest"
