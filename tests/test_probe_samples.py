@@ -7,9 +7,14 @@ each batch, all long ones past the first batches. Budgets are CPU budgets measur
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import pickle
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -226,3 +231,25 @@ def test_the_callback_still_pickles_for_ddp_spawn() -> None:
     finder = ScheduledBatchSizeFinder(schedule("largest", sample_size="tests.varlen.token_count"), verbose=False)
     copy = pickle.loads(pickle.dumps(finder))
     assert copy.probe_batches.size_fn is token_count and copy.probe_batches.mode == "largest"
+
+
+def test_ddp_ranks_probe_the_global_largest_and_every_rank_stays_within_the_budget(tmp_path: Path) -> None:
+    """Two CPU ranks (gloo) in a subprocess with a timeout: each scans the whole dataset, both find the
+    single-process size, and every real step of each rank's shuffled shard stays within the budget."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    script = Path(__file__).parent / "ddp" / "run_ddp_largest.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        cwd=Path(__file__).resolve().parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    single, _ = _fit("largest")
+    assert [r["batch_size"] for r in ranks] == [single.batch_size] * 2
+    assert ranks[0]["trials"] == ranks[1]["trials"]
+    assert [r["scans"] for r in ranks] == [1, 1]
+    assert all(max(r["peaks"]) <= BUDGET for r in ranks), [max(r["peaks"]) / BUDGET for r in ranks]
