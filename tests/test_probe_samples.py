@@ -253,3 +253,33 @@ def test_ddp_ranks_probe_the_global_largest_and_every_rank_stays_within_the_budg
     assert ranks[0]["trials"] == ranks[1]["trials"]
     assert [r["scans"] for r in ranks] == [1, 1]
     assert all(max(r["peaks"]) <= BUDGET for r in ranks), [max(r["peaks"]) / BUDGET for r in ranks]
+
+
+class _WithVal(TokenClassifier):
+    """Validation on the same data through its own ``val_batch_size`` (so the val stage is tuned in fit)."""
+
+    def __init__(self, data: TokenDataset) -> None:
+        super().__init__(data)
+        self.val_batch_size = 8
+        self.val_batches: list[tuple[int, int]] = []  # per validation_step call: (rows, long rows)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        ids, _ = batch
+        self.val_batches.append((ids.shape[0], int(((ids > 0).sum(1) > varlen.BASE_LEN).sum())))
+        self.mlp(self.embed(ids))
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=self.val_batch_size, collate_fn=pad_collate)
+
+
+def test_largest_applies_to_evaluation_stages_too() -> None:
+    seed(0)
+    sched = schedule("largest")
+    sched["stages"] = ["train", "val"]
+    finder = ScheduledBatchSizeFinder(sched, verbose=False, write_report=False)
+    model = _WithVal(TokenDataset(lengths(240, long_at=(100, 200))))
+    varlen.trainer([finder], limit_train_batches=1, limit_val_batches=1).fit(model)
+    assert [e.stage for e in finder.history] == ["train", "val"]
+    *probes, real = model.val_batches
+    assert probes and all(long == min(2, rows) for rows, long in probes), probes  # the two long samples first
+    assert real == (finder.batch_sizes["val"], 0)  # the real validation batch: the first samples
