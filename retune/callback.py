@@ -25,6 +25,7 @@ from retune.grad_sync import SyncedSteps
 from retune.loading import ScheduleSource, load_schedule
 from retune.memory import device_total_bytes
 from retune.probe import Prober
+from retune.probe_batches import ProbeBatches
 from retune.recovery import EvalStepRecovery, Recovered, TrainStepRecovery
 from retune.search import Direction, MemoryModel, Mode, SearchResult, plan_search, run_model_search, run_search
 from retune.split import SplitFn
@@ -48,6 +49,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         verbose: print one line per trial and a summary per search (rank zero only).
         split_batch: with the ``oom`` trigger, how to cut a batch of a type retune does not know into
             micro-batches: ``fn(batch, pieces) -> list of micro-batches`` (see :mod:`retune.split`).
+        sample_size: ``fn(sample) -> int``, the size of ``dataset[i]`` that ``search.probe_samples: largest``
+            ranks samples by (default: the number of elements in its tensors, numbers and strings).
 
     Example::
 
@@ -72,8 +75,10 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         out_dir: str | Path | None = None,
         write_report: bool = True,
         split_batch: SplitFn | None = None,
+        sample_size: Callable[[Any], int] | None = None,
     ) -> None:
         self.schedule = load_schedule(schedule)
+        self.probe_batches = ProbeBatches.from_schedule(self.schedule, schedule, sample_size, say=self._say)
         self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
         self.split_batch = split_batch
         self._oom: OutOfMemory | None = next((t for t in self.triggers if isinstance(t, OutOfMemory)), None)
@@ -363,6 +368,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             on_trial=self._report_trial,
             stage=stage,
             track_memory=mode == "model" or device.type == "cuda",
+            arrange=lambda loader: self.probe_batches.arrange(loader, stage, config.steps_per_trial),
         )
         try:
             with prober.session():

@@ -57,6 +57,7 @@ class Prober:
         on_trial: Callable[[int, bool, int | None], None] | None = None,
         stage: str = "train",
         track_memory: bool = True,
+        arrange: Callable[[Any], Any] | None = None,
     ) -> None:
         self.trainer = trainer
         self.pl_module = pl_module
@@ -66,6 +67,8 @@ class Prober:
         self.on_trial = on_trial
         self.stage = stage
         self.track_memory = track_memory or budget_bytes is not None
+        self.arrange = arrange
+        """Turns the loader the hook returned into the one a trial iterates (``search.probe_samples``)."""
         self.peaks: list[int | None] = []
         """Measured peak of each trial, in order (None where no statistic exists or the trial hit a real OOM)."""
         self._snapshot: TrainingSnapshot | None = None
@@ -142,6 +145,8 @@ class Prober:
             self._trials_run += 1
             loader = compat.request_dataloader(self.trainer, self.stage)
             generators = [(g, g.get_state()) for g in sampler_generators(loader)]
+            if self.arrange is not None:
+                loader = self.arrange(loader)
             with compat.hooks_isolated(self.trainer, self.pl_module, self.stage):
                 peak = self._run_steps(loader)
         except BaseException as exc:

@@ -47,6 +47,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+_DOTTED_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*[.:][A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -91,6 +92,33 @@ class SearchConfig(_Config):
         description="A re-tune starts from the last found size and searches in the direction the trigger "
         "implies, instead of climbing from init_val again.",
     )
+
+    probe_samples: Literal["first", "largest"] = Field(
+        "first",
+        description="first: probe on the first batches of the dataloader; largest: every probe batch at size b "
+        "holds the b largest samples of the dataset (pad-to-longest text, variable image sizes), read once "
+        "and sized by sample_size.",
+    )
+    sample_size: Union[StrictStr, None] = Field(
+        None,
+        description="Dotted path to fn(sample) -> int, e.g. 'mypkg.sizes.tokens' (or 'mypkg.sizes:tokens'); null: "
+        "the number of elements in the sample's tensors, numbers and strings.",
+    )
+    scan_limit: Union[Annotated[StrictInt, Field(ge=1)], None] = Field(
+        None,
+        description="largest: size only this many samples, a seeded random subset (null: every sample); "
+        "the largest samples may be missed.",
+    )
+
+    @field_validator("sample_size")
+    @classmethod
+    def _dotted_path(cls, value: str | None) -> str | None:
+        if value is not None and not _DOTTED_RE.match(value):
+            raise ValueError(
+                f"{value!r} is not a dotted path to a function; write 'package.module.function' "
+                "or 'package.module:function'"
+            )
+        return value
 
     @field_validator("max_val")
     @classmethod

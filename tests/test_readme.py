@@ -64,7 +64,8 @@ def test_reference_block_shows_every_trigger_kind_and_its_fields() -> None:
 
 def test_reference_block_lists_every_choice() -> None:
     text, _ = _reference()
-    for choice in ("power", "binsearch", "model", "free", "keep_effective", "none", "linear", "sqrt"):
+    choices = ("power", "binsearch", "model", "free", "keep_effective", "none", "linear", "sqrt", "first", "largest")
+    for choice in choices:
         assert re.search(rf"\b{choice}\b", text), choice
     for stage in ("train", "val", "test", "predict"):
         assert stage in text

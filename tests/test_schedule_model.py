@@ -72,6 +72,9 @@ def test_defaults_are_filled_in() -> None:
             "margin": 0.05,
             "max_val": 8192,
             "warm_start": True,
+            "probe_samples": "first",
+            "sample_size": None,
+            "scan_limit": None,
         },
         "memory": {"budget": None},
         "triggers": ({"kind": "fit_start"},),
@@ -200,7 +203,18 @@ def test_json_schema_has_the_public_fields() -> None:
 def test_json_schema_search_fields_and_modes() -> None:
     defs = RetuneSchedule.model_json_schema()["$defs"]
     search = defs["SearchConfig"]["properties"]
-    assert set(search) == {"mode", "init_val", "steps_per_trial", "max_trials", "margin", "max_val", "warm_start"}
+    assert set(search) == {
+        "mode",
+        "init_val",
+        "steps_per_trial",
+        "max_trials",
+        "margin",
+        "max_val",
+        "warm_start",
+        "probe_samples",
+        "sample_size",
+        "scan_limit",
+    }
     assert search["mode"]["enum"] == ["power", "binsearch", "model"]
     assert all(d["additionalProperties"] is False for d in defs.values())
 

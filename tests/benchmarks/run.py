@@ -1,7 +1,8 @@
-"""Run both benchmarks: ``python -m tests.benchmarks.run`` (from the repository root, in the venv).
+"""Run every benchmark: ``python -m tests.benchmarks.run`` (from the repository root, in the venv).
 
 Writes tests/benchmarks/results/search.json, tests/benchmarks/results/snapshot.json (one torch
-thread) and tests/benchmarks/results/snapshot-default-threads.json (torch's default). A missed
+thread), tests/benchmarks/results/snapshot-default-threads.json (torch's default) and
+tests/benchmarks/results/probe_samples.json. A missed
 target is reported as FAIL in the output and the JSON; the exit status is non-zero only when a
 benchmark itself crashes.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from tests.benchmarks import bench_search, bench_snapshot
+from tests.benchmarks import bench_probe_samples, bench_search, bench_snapshot
 from tests.benchmarks.bench_snapshot import RESULTS
 
 
@@ -24,7 +25,9 @@ def main() -> int:
     # torch's default threads, as a user's run has them: the copies use every core, Lightning's
     # serialisation does not
     status |= bench_snapshot.main(["--threads", "0", "--out", str(RESULTS / "snapshot-default-threads.json")])
-    print(f"\nboth benchmarks: {time.perf_counter() - started:.0f}s")
+    print()
+    status |= bench_probe_samples.main([])
+    print(f"\nall benchmarks: {time.perf_counter() - started:.0f}s")
     return status
 
 
