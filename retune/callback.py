@@ -85,7 +85,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._train_recovery: TrainStepRecovery | None = None
         self._eval_recovery: EvalStepRecovery | None = None
         self._undo: list[Callable[[], None]] = []
-        self._eval_undo: Callable[[], None] = lambda: None
+        self._eval_undo: Callable[[], None] | None = None  # no lambda: ddp_spawn pickles the callback
         self.verbose = verbose
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.write_report = write_report
@@ -285,9 +285,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._eval_undo = compat.wrap_eval_step(pl_module, stage, wrap)
 
     def _unguard_eval(self) -> None:
-        if self._eval_recovery is not None:
+        if self._eval_undo is not None:
             self._eval_undo()
-            self._eval_recovery = None
+        self._eval_undo = self._eval_recovery = None
 
     def _uninstall(self) -> None:
         self._unguard_eval()

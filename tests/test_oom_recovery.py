@@ -101,6 +101,24 @@ def test_next_epoch_searches_below_the_failed_size_and_fits() -> None:
     assert model.batch_sizes[-1] <= searches[-1].batch_size_after
 
 
+def test_with_largest_probes_the_next_epoch_runs_at_a_size_that_fits_every_batch() -> None:
+    """``probe_samples: largest`` makes the re-search see the worst batch: no step of later epochs fails."""
+    schedule = {"triggers": [{"kind": "oom"}], "search": {"steps_per_trial": 1, "probe_samples": "largest"}}
+    model, finder, trainer = _fit(300, "forward", schedule, epochs=3, model_kwargs={"shuffle": True})
+    searches = [e for e in finder.history if not e.is_recovery]
+    assert [e.epoch for e in searches] == [1] and searches[0].trigger == "oom"
+    assert max(model.batch_sizes[-len(model.data) // searches[0].batch_size_after :]) <= searches[0].batch_size_after
+    assert not [e for e in finder.history if e.is_recovery and e.epoch >= 1]
+    assert trainer.current_epoch == 3
+
+
+def test_the_callback_pickles_for_ddp_spawn() -> None:
+    import pickle
+
+    finder = pickle.loads(pickle.dumps(ScheduledBatchSizeFinder(OOM, verbose=False)))
+    assert [t.kind for t in finder.triggers] == ["oom"]
+
+
 def test_a_single_sample_that_does_not_fit_is_a_clear_error() -> None:
     with pytest.raises(RetuneError, match=r"one sample does not fit.*") as info:
         _fit(2, "forward")
