@@ -42,13 +42,15 @@ class GlooGroup:
         return obj
 
     def close(self) -> None:
-        dist.barrier()  # gloo's barrier waits for every collective still queued or running
-        for obj in self._owned:
-            if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
-                _release_reducer(obj)
-        self._owned.clear()
-        gc.collect()
-        dist.destroy_process_group()
+        try:
+            dist.barrier()  # gloo's barrier waits for every collective still queued or running
+        finally:  # a failed barrier is reported, after the group is gone all the same
+            for obj in self._owned:
+                if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+                    _release_reducer(obj)
+            self._owned.clear()
+            gc.collect()
+            dist.destroy_process_group()
 
 
 def _release_reducer(wrapper: torch.nn.parallel.DistributedDataParallel) -> None:
