@@ -7,8 +7,10 @@ of starting Python, torch and Lightning in six processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,8 +21,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "ddp" / "run_ddp.py"
-TIMEOUT_S = 300
-
+# below the suite's per-test timeout (pyproject.toml), so that a hung scenario fails its tests with its output
+TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +40,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                # a session of its own: on a timeout the ranks it launched are killed with it, and none
+                # is left holding the output pipe open (which would make communicate() wait forever)
+                start_new_session=True,
             ),
         )
     started = time.monotonic()
@@ -46,12 +51,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         try:
             output, _ = proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - started)))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            output, _ = proc.communicate()
+            _kill_session(proc)
+            output, _ = proc.communicate(timeout=30)
             output = f"TIMED OUT after {TIMEOUT_S}s (a hang)\n{output}"
+        _kill_session(proc)  # nothing it started may outlive the test
         ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
-        results[scenario] = {"returncode": proc.returncode, "output": output, "ranks": ranks}
+        teardown = {int(p.stem[8:]): json.loads(p.read_text()) for p in out.glob("teardown*.json")}
+        results[scenario] = {"returncode": proc.returncode, "output": output, "ranks": ranks, "teardown": teardown}
     return results
+
+
+def _kill_session(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _both(run: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -77,6 +89,17 @@ def test_weights_identical_across_ranks_after_fit(runs: dict[str, Any]) -> None:
     assert rank0["report_written"], "rank zero writes the history and plot next to the CSV logger's files"
     assert rank0["weights_sha256"] == rank1["weights_sha256"]
     assert rank0["global_step"] == rank1["global_step"] > 0
+
+
+@pytest.mark.parametrize("scenario", ["capacity", "unfreeze"])
+def test_the_ddp_wrapper_is_freed_while_the_group_is_alive(runs: dict[str, Any], scenario: str) -> None:
+    # a wrapper (and its reducer) that outlives destroy_process_group() destroys the group holding the
+    # GIL, which can deadlock (issue 12): nothing the finder keeps may hold it past Lightning's teardown
+    _both(runs[scenario])
+    teardown = runs[scenario]["teardown"]
+    assert sorted(teardown) == [0, 1], runs[scenario]["output"][-4000:]
+    for rank in teardown.values():
+        assert rank == {"wrapped": "DistributedDataParallel", "wrapper_freed": True, "group_alive": True}
 
 
 def test_unfreeze_under_ddp(runs: dict[str, Any]) -> None:

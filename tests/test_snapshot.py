@@ -18,6 +18,7 @@ from torch import nn
 
 from retune.host_copy import host_copies
 from retune.snapshot import TrainingSnapshot
+from tests.dist_utils import GlooGroup
 
 MiB = 2**20
 
@@ -203,33 +204,27 @@ def test_frozen_parameters_are_not_copied() -> None:
     assert id(net.head.weight) in captured
 
 
-def test_gradient_views_are_copied_not_held(tmp_path: Any) -> None:
+def test_gradient_views_are_copied_not_held(gloo_group: GlooGroup) -> None:
     # DDP's gradient_as_bucket_view makes every .grad a view into the reducer's flat bucket, which the
     # next synchronised backward writes into: such a gradient must be copied, not set aside.
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
-        ddp = nn.parallel.DistributedDataParallel(net, gradient_as_bucket_view=True)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-        for _ in range(3):  # DDP rebuilds its buckets after the first step
-            optimizer.zero_grad(set_to_none=True)
-            ddp(torch.randn(8, 64)).sum().backward()
-            optimizer.step()
-        ddp(torch.randn(8, 64)).sum().backward()  # gradients of a step not yet taken
-        assert all(p.grad is not None and p.grad._is_view() for p in net.parameters())
-        before = [p.grad.clone() for p in net.parameters()]
-        snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = gloo_group.ddp(net, gradient_as_bucket_view=True)  # the fixture frees it before the group
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(3):  # DDP rebuilds its buckets after the first step
         optimizer.zero_grad(set_to_none=True)
-        ddp(torch.randn(32, 64) * 10).pow(2).sum().backward()  # writes the bucket
+        ddp(torch.randn(8, 64)).sum().backward()
         optimizer.step()
-        snap.reset()
-        snap.restore()
-        assert all(torch.equal(a, p.grad) for a, p in zip(before, net.parameters(), strict=True))
-    finally:
-        dist.destroy_process_group()
+    ddp(torch.randn(8, 64)).sum().backward()  # gradients of a step not yet taken
+    assert all(p.grad is not None and p.grad._is_view() for p in net.parameters())
+    before = [p.grad.clone() for p in net.parameters()]
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    optimizer.zero_grad(set_to_none=True)
+    ddp(torch.randn(32, 64) * 10).pow(2).sum().backward()  # writes the bucket
+    optimizer.step()
+    snap.reset()
+    snap.restore()
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, net.parameters(), strict=True))
 
 
 def test_copied_gradients_come_back_in_the_parameter_layout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -427,33 +422,28 @@ def test_a_depthwise_channels_last_weight_is_copied_not_held() -> None:
     assert conv.weight.data_ptr() == ptr and conv.weight.stride() == stride
 
 
-def test_the_state_of_an_optimizer_wrapped_by_zero_is_kept(tmp_path: Any) -> None:
+def test_the_state_of_an_optimizer_wrapped_by_zero_is_kept(gloo_group: GlooGroup) -> None:
     # ZeroRedundancyOptimizer keeps the real state in its inner ``optim``; its own ``state`` is empty
-    import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
-        zero = ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1)
-        for _ in range(2):
-            zero.zero_grad()
-            net(torch.randn(8, 64)).sum().backward()
-            zero.step()
-        inner = zero.optim
-        before = {(id(p), k): v.clone() for p, s in inner.state.items() for k, v in s.items()}
-        assert before and not zero.state
-        snap = TrainingSnapshot.capture(net, optimizers=[zero])
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    zero = gloo_group.own(ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1))
+    for _ in range(2):
         zero.zero_grad()
         net(torch.randn(8, 64)).sum().backward()
         zero.step()
-        snap.restore()
-        after = {(id(p), k): v for p, s in inner.state.items() for k, v in s.items()}
-        assert before.keys() == after.keys()
-        assert all(torch.equal(before[key], after[key]) for key in before)
-    finally:
-        dist.destroy_process_group()
+    inner = zero.optim
+    before = {(id(p), k): v.clone() for p, s in inner.state.items() for k, v in s.items()}
+    assert before and not zero.state
+    snap = TrainingSnapshot.capture(net, optimizers=[zero])
+    zero.zero_grad()
+    net(torch.randn(8, 64)).sum().backward()
+    zero.step()
+    snap.restore()
+    after = {(id(p), k): v for p, s in inner.state.items() for k, v in s.items()}
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[key], after[key]) for key in before)
 
 
 def test_a_compiled_module_runs_on_held_copies_without_recompiling() -> None:

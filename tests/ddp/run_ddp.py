@@ -13,10 +13,12 @@ Scenarios:
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +67,8 @@ def main() -> None:
     cbs: list[Any] = [] if args.without_retune else [finder]
     if unfreeze:
         cbs.append(callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1))
-    cbs.append(WriteResult(args.out))
+    writer = WriteResult(args.out)
+    cbs.append(writer)
     trainer = pl.Trainer(
         strategy="ddp_spawn" if args.scenario == "spawn" else "ddp",
         accelerator="cpu",
@@ -80,6 +83,26 @@ def main() -> None:
         limit_val_batches=0,
     )
     trainer.fit(model)
+    if args.scenario in ("capacity", "unfreeze"):
+        _write_teardown_order(writer, trainer, args.out)
+
+
+def _write_teardown_order(writer: WriteResult, trainer: Any, out: Path) -> None:
+    """Whether the DDP wrapper (and its reducer) was freed while the process group was still alive.
+
+    Freed after the group is destroyed, the reducer would be the group's last owner and destroy it
+    holding the GIL, which can deadlock (tests/dist_utils.py). Lightning drops the wrapper at teardown
+    and destroys the group at exit; nothing retune keeps may hold the wrapper past teardown.
+    """
+    import torch.distributed as dist
+
+    gc.collect()
+    result = {
+        "wrapped": writer.wrapper_type,
+        "wrapper_freed": writer.wrapper is not None and writer.wrapper() is None,
+        "group_alive": dist.is_initialized(),
+    }
+    (out / f"teardown{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]
@@ -88,10 +111,16 @@ class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]
     def __init__(self, out: Path) -> None:
         self.out = out
         self.weights_shared_at_fit_start: bool | None = None
+        self.wrapper: weakref.ref[Any] | None = None  # the strategy's wrapped model during fit
+        self.wrapper_type = ""
 
     def on_fit_start(self, trainer: Any, model: Any) -> None:
         # ddp_spawn on pytorch-lightning < 2.1 leaves CPU weights in memory shared by all ranks (#17399)
         self.weights_shared_at_fit_start = any(t.is_shared() for t in [*model.parameters(), *model.buffers()])
+
+    def on_train_start(self, trainer: Any, model: Any) -> None:
+        self.wrapper = weakref.ref(trainer.strategy.model)
+        self.wrapper_type = type(trainer.strategy.model).__name__
 
     def teardown(self, trainer: Any, model: Any, stage: str) -> None:  # after every on_fit_end
         finder = next((cb for cb in trainer.callbacks if isinstance(cb, ScheduledBatchSizeFinder)), None)

@@ -1,0 +1,64 @@
+"""Distributed objects in tests, torn down in an order that cannot deadlock.
+
+Tests take the ``gloo_group`` fixture (tests/conftest.py), which creates a :class:`GlooGroup`.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class GlooGroup:
+    """A single-rank gloo process group for one test, and the distributed wrappers made in it.
+
+    Why the teardown order matters: ``ProcessGroupGloo``'s destructor joins its worker threads. Freed
+    from Python it runs without the GIL; freed by DDP's C++ ``Reducer`` holding the last reference
+    (the wrapper outliving ``destroy_process_group()``) it runs *with* the GIL, and a worker that is
+    still releasing a finished collective needs the GIL to drop a Python object: both wait forever.
+    This hung ``test_gradient_views_are_copied_not_held`` once (issue 12). So :meth:`close` waits for
+    all pending work (a barrier), frees every wrapper's reducer while the group is still registered
+    (the registry's reference keeps the reducer from being the last owner), collects, and only then
+    destroys the group. The reducer is detached from the wrapper rather than left to the wrapper's
+    refcount: a failing test's traceback (``sys.last_traceback``) keeps its locals, the wrapper
+    included, alive past the fixture.
+    """
+
+    def __init__(self) -> None:
+        self._owned: list[Any] = []
+
+    def ddp(self, module: torch.nn.Module, **kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
+        """``DistributedDataParallel(module, **kwargs)``, released before the group at teardown."""
+        wrapper = torch.nn.parallel.DistributedDataParallel(module, **kwargs)
+        self._owned.append(wrapper)
+        return wrapper
+
+    def own(self, obj: Any) -> Any:
+        """Hold ``obj`` (a ZeroRedundancyOptimizer, say) so that it is dropped before the group is destroyed."""
+        self._owned.append(obj)
+        return obj
+
+    def close(self) -> None:
+        try:
+            dist.barrier()  # gloo's barrier waits for every collective still queued or running
+        finally:  # a failed barrier is reported, after the group is gone all the same
+            for obj in self._owned:
+                if isinstance(obj, torch.nn.parallel.DistributedDataParallel):
+                    _release_reducer(obj)
+            self._owned.clear()
+            gc.collect()
+            dist.destroy_process_group()
+
+
+def _release_reducer(wrapper: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Free the wrapper's C++ reducer now (its Python handle and the logger that shares it).
+
+    The wrapper is unusable afterwards; it is only called once the test is over.
+    """
+    missing = [name for name in ("reducer", "logger") if name not in wrapper.__dict__]
+    assert not missing, f"DistributedDataParallel no longer has {missing}: update _release_reducer for this torch"
+    for name in ("logger", "reducer"):
+        del wrapper.__dict__[name]
