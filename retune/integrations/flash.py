@@ -210,6 +210,32 @@ class RetuneFlashStrategy(FlashBaseFinetuning):  # type: ignore[misc]
         super().on_predict_start(trainer, pl_module)
         self.finder.on_predict_start(trainer, pl_module)
 
+    # the `oom` trigger's recovery is installed and removed around each loop
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.finder.on_train_start(trainer, pl_module)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_end(trainer, pl_module)
+        self.finder.on_train_end(trainer, pl_module)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        self.finder.on_exception(trainer, pl_module, exception)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_validation_end(trainer, pl_module)
+        self.finder.on_validation_end(trainer, pl_module)
+
+    def on_test_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_test_end(trainer, pl_module)
+        self.finder.on_test_end(trainer, pl_module)
+
+    def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_predict_end(trainer, pl_module)
+        self.finder.on_predict_end(trainer, pl_module)
+
     def state_dict(self) -> dict[str, Any]:
         state = dict(super().state_dict())
         state["retune"] = self.finder.state_dict()
