@@ -5,7 +5,14 @@ Tests take the ``gloo_group`` fixture (tests/conftest.py), which creates a :clas
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,3 +69,50 @@ def _release_reducer(wrapper: torch.nn.parallel.DistributedDataParallel) -> None
     assert not missing, f"DistributedDataParallel no longer has {missing}: update _release_reducer for this torch"
     for name in ("logger", "reducer"):
         del wrapper.__dict__[name]
+
+
+def run_rank_scripts(
+    runs: dict[str, list[str]], script: Path, out_root: Path, timeout_s: float
+) -> dict[str, tuple[int | None, str, Path]]:
+    """Run ``script *args`` once per entry, all at once, with ``"{out}"`` in ``args`` replaced by the run's own
+    output folder; returns ``{name: (returncode, output, folder)}``.
+
+    Each run is a session of its own: Lightning's DDP launcher starts the other ranks as children, and
+    on a timeout the whole session is killed, so no leftover rank holds the output pipe open (which
+    would make ``communicate()`` wait forever). A run that times out reports ``TIMED OUT`` in its output.
+    """
+    root = script.resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(root)}
+    procs = {}
+    for name, args in runs.items():
+        out = out_root / name
+        out.mkdir(parents=True, exist_ok=True)
+        procs[name] = (
+            out,
+            subprocess.Popen(
+                [sys.executable, str(script), *(str(out) if a == "{out}" else a for a in args)],
+                cwd=root,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            ),
+        )
+    started = time.monotonic()
+    results = {}
+    for name, (out, proc) in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            kill_session(proc)
+            output, _ = proc.communicate(timeout=30)
+            output = f"TIMED OUT after {timeout_s}s (a hang)\n{output}"
+        kill_session(proc)  # nothing it started may outlive the test
+        results[name] = (proc.returncode, output, out)
+    return results
+
+
+def kill_session(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)

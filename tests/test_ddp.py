@@ -7,17 +7,13 @@ of starting Python, torch and Lightning in six processes.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.dist_utils import run_rank_scripts
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "ddp" / "run_ddp.py"
@@ -27,43 +23,15 @@ TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    procs = {}
-    for scenario in ("capacity", "unfreeze", "error", "spawn"):
-        out = tmp_path_factory.mktemp(scenario)
-        procs[scenario] = (
-            out,
-            subprocess.Popen(
-                [sys.executable, str(SCRIPT), scenario, str(out)],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                # a session of its own: on a timeout the ranks it launched are killed with it, and none
-                # is left holding the output pipe open (which would make communicate() wait forever)
-                start_new_session=True,
-            ),
-        )
-    started = time.monotonic()
+    scenarios = {scenario: [scenario, "{out}"] for scenario in ("capacity", "unfreeze", "error", "spawn")}
     results: dict[str, Any] = {}
-    for scenario, (out, proc) in procs.items():
-        try:
-            output, _ = proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            _kill_session(proc)
-            output, _ = proc.communicate(timeout=30)
-            output = f"TIMED OUT after {TIMEOUT_S}s (a hang)\n{output}"
-        _kill_session(proc)  # nothing it started may outlive the test
+    for scenario, (code, output, out) in run_rank_scripts(
+        scenarios, SCRIPT, tmp_path_factory.mktemp("ddp"), TIMEOUT_S
+    ).items():
         ranks = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
         teardown = {int(p.stem[8:]): json.loads(p.read_text()) for p in out.glob("teardown*.json")}
-        results[scenario] = {"returncode": proc.returncode, "output": output, "ranks": ranks, "teardown": teardown}
+        results[scenario] = {"returncode": code, "output": output, "ranks": ranks, "teardown": teardown}
     return results
-
-
-def _kill_session(proc: subprocess.Popen[str]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _both(run: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ from retune import ScheduledBatchSizeFinder, ScheduleError
 from retune.errors import RetuneError
 from retune.schedule import parse_byte_size
 from tests import varlen
+from tests.dist_utils import run_rank_scripts
 from tests.lightning_ns import seed
 from tests.varlen import (
     SeenBatches,
@@ -236,18 +234,11 @@ def test_the_callback_still_pickles_for_ddp_spawn() -> None:
 def test_ddp_ranks_probe_the_global_largest_and_every_rank_stays_within_the_budget(tmp_path: Path) -> None:
     """Two CPU ranks (gloo) in a subprocess with a timeout: each scans the whole dataset, both find the
     single-process size, and every real step of each rank's shuffled shard stays within the budget."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     script = Path(__file__).parent / "ddp" / "run_ddp_largest.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        cwd=Path(__file__).resolve().parents[1],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    # a session of its own, killed whole on a timeout below the suite's per-test one (tests/dist_utils.py)
+    code, output, out = run_rank_scripts({"largest": ["{out}"]}, script, tmp_path, 240)["largest"]
+    assert code == 0, output[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     single, _ = _fit("largest")
     assert [r["batch_size"] for r in ranks] == [single.batch_size] * 2
     assert ranks[0]["trials"] == ranks[1]["trials"]

@@ -10,10 +10,12 @@ rank: the reference run), single (rank 1 cannot fit one sample: every rank must 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import traceback
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,17 @@ class RankTokenModel(TokenModel):
             self.capacity = self.rank1_capacity
 
 
+class WatchWrapper(pl.Callback):  # type: ignore[misc,name-defined]
+    """Keeps a weak reference to the DDP wrapper: retune holds it during training (its gradient sync)
+    and must let it go before Lightning's teardown, while the process group is alive (tests/dist_utils.py)."""
+
+    def __init__(self) -> None:
+        self.wrapper: weakref.ref[Any] | None = None
+
+    def on_train_start(self, trainer: Any, model: Any) -> None:
+        self.wrapper = weakref.ref(trainer.strategy.model)
+
+
 def main() -> None:
     where, out = sys.argv[1], Path(sys.argv[2])
     accumulate = int(sys.argv[3]) if len(sys.argv) > 3 else 1
@@ -49,7 +62,7 @@ def main() -> None:
         accelerator="cpu",
         devices=2,
         max_epochs=1,
-        callbacks=[finder],
+        callbacks=[finder, watch := WatchWrapper()],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -63,7 +76,12 @@ def main() -> None:
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-2000:]
+    import torch.distributed as dist
+
+    gc.collect()
     result.update(
+        wrapper_freed=watch.wrapper is not None and watch.wrapper() is None,
+        group_alive=dist.is_initialized(),
         rank=trainer.global_rank,
         global_step=trainer.global_step,
         weights=[p.detach().reshape(-1).tolist() for p in model.parameters()],
