@@ -43,7 +43,7 @@ from tests.lightning_ns import pl
 
 RESULTS = Path(__file__).parent / "results"
 BATCH, TOKENS, STEPS = 32, 96, 16
-ROUNDS = 3
+ROUNDS = 4
 
 
 class _FailBackward(torch.autograd.Function):
@@ -126,11 +126,11 @@ def single_device() -> dict[str, Any]:
     # shared machine a neighbour's burst then hits both sides of a ratio alike
     warm = slice(2, None)  # the first steps allocate the optimizer state
     normal_ms, guarded_ms, ratios = [], [], []
-    for _ in range(ROUNDS):
-        normal = Encoder()
-        _fit(normal, oom=False)
-        guarded = Encoder()
-        _fit(guarded, oom=True)
+    for round_no in range(ROUNDS):
+        normal, guarded = Encoder(), Encoder()
+        # which side runs first alternates, so neither gets the warmer caches every round
+        for model, oom in [(normal, False), (guarded, True)][:: 1 if round_no % 2 == 0 else -1]:
+            _fit(model, oom=oom)
         normal_ms.append(statistics.median(normal.times[warm]) * 1e3)
         guarded_ms.append(statistics.median(guarded.times[warm]) * 1e3)
         ratios.append(guarded_ms[-1] / normal_ms[-1])
@@ -206,7 +206,7 @@ def main(argv: list[str]) -> int:
         print(f"  DDP 2 gloo ranks, plain          {results['ddp_ms']:8.1f} ms")
         ddp_ms, overhead = results["ddp_oom_trigger_ms"], results["ddp_overhead"]
         print(f"  DDP with the oom trigger         {ddp_ms:8.1f} ms  ({overhead:+.1%})")
-    verdict = "PASS" if abs(results["guard_overhead"]) < 0.01 else "FAIL"
+    verdict = "PASS" if results["guard_overhead"] < 0.01 else "FAIL"
     print(f"  target: per-step overhead without an OOM under 1%: {verdict}")
     results["target_guard_overhead_under_1pct"] = verdict == "PASS"
     RESULTS.mkdir(exist_ok=True)
