@@ -52,19 +52,18 @@ def pad_collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     }
 
 
-class _FailInBackward(torch.autograd.Function):
-    """Identity in forward; in backward raises the real OOM when the batch is too large."""
+class FailInBackward(torch.autograd.Function):
+    """Identity in forward; raises the real OOM in backward when told to (a backward that runs out of memory)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, tokens: int, capacity: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.too_big = tokens > capacity
-        ctx.tokens, ctx.capacity = tokens, capacity
+    def forward(ctx: Any, x: torch.Tensor, fail: bool, message: str = "oracle") -> torch.Tensor:  # type: ignore[override]
+        ctx.fail, ctx.message = fail, message
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        if ctx.too_big:
-            raise torch.OutOfMemoryError(f"CUDA out of memory (oracle: {ctx.tokens} tokens > {ctx.capacity})")
+        if ctx.fail:
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({ctx.message})")
         return grad, None, None
 
 
@@ -118,7 +117,8 @@ class TokenModel(pl.LightningModule):
             hidden.register_hook(lambda grad: self.trained.update(index))
         pooled = (hidden * mask).sum(1) / mask.sum(1)
         if self.where == "backward" and self.capacity is not None and torch.is_grad_enabled():
-            pooled = _FailInBackward.apply(pooled, self._tokens(batch), self.capacity)
+            tokens = self._tokens(batch)
+            pooled = FailInBackward.apply(pooled, tokens > self.capacity, f"oracle: {tokens} > {self.capacity}")
         return self.head(pooled)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -15,19 +15,7 @@ from torch import nn
 
 from retune import RetuneError
 from retune.recovery import EvalStepRecovery, Recovered, StepParts, TrainStepRecovery
-
-
-class _FailBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:  # type: ignore[override]
-        ctx.fail = fail
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        if ctx.fail:
-            raise torch.OutOfMemoryError("CUDA out of memory (oracle)")
-        return grad, None
+from tests.oom_oracle import FailInBackward
 
 
 class Net(nn.Module):
@@ -46,7 +34,7 @@ def _parts(net: Net, batch: tuple[torch.Tensor, torch.Tensor], capacity: int, wh
         too_big = x.shape[0] > capacity
         if too_big and where == "forward":
             raise torch.OutOfMemoryError("CUDA out of memory (oracle)")
-        hidden = _FailBackward.apply(net.body(x), too_big and where == "backward")
+        hidden = FailInBackward.apply(net.body(x), too_big and where == "backward")
         loss = nn.functional.cross_entropy(net.head(hidden), y)
         calls["logs"].append(int(x.shape[0]))
         return {"loss": loss}

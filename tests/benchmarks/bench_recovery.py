@@ -40,23 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from retune import ScheduledBatchSizeFinder
 from tests.lightning_ns import pl
+from tests.oom_oracle import FailInBackward
 
 RESULTS = Path(__file__).parent / "results"
 BATCH, TOKENS, STEPS = 32, 96, 16
 ROUNDS = 4
-
-
-class _FailBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, fail: bool) -> torch.Tensor:  # type: ignore[override]
-        ctx.fail = fail
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        if ctx.fail:
-            raise torch.OutOfMemoryError("CUDA out of memory (benchmark oracle, end of backward)")
-        return grad, None
 
 
 class Encoder(pl.LightningModule):
@@ -85,7 +73,7 @@ class Encoder(pl.LightningModule):
         if first_attempt:
             self._failed.add(batch_idx)
         # the backward oracle sits under the encoder: backward fails after the encoder's gradients
-        embedded = _FailBackward.apply(self.embed(x), first_attempt and self.where == "backward")
+        embedded = FailInBackward.apply(self.embed(x), first_attempt and self.where == "backward")
         hidden = self.encoder(embedded)
         if first_attempt and self.where == "forward":
             raise torch.OutOfMemoryError("CUDA out of memory (benchmark oracle, end of forward)")
