@@ -184,6 +184,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 self._search(trainer, pl_module, "train", firing.label, firing.direction, cold)
             if "val" in self.schedule.stages and self._separate_val(trainer, pl_module):
                 self._search(trainer, pl_module, "val", firing.label, "unknown", cold)
+        if self._oom is not None:
+            self._oom.consume()  # used by the train search above, or of no use (train is not tuned)
         if self._accumulate is not None:
             compat.set_accumulation(trainer, self._accumulate)  # Lightning 1.9 resets it every epoch
 
