@@ -7,6 +7,7 @@ already received its gradient. Every run is compared with the same run at unlimi
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from retune import RetuneError, ScheduledBatchSizeFinder
-from tests.lightning_ns import LEGACY, PRECISION_BF16, pl, seed
+from tests.lightning_ns import LEGACY, NAMESPACE, PRECISION_BF16, pl, seed
 from tests.oom_oracle import TokenModel, pad_collate
 
 OOM = {"triggers": [{"kind": "oom"}]}
@@ -218,13 +219,18 @@ def test_recovery_is_in_history_table_and_state_dict() -> None:
     assert restored.history == finder.history
 
 
-@pytest.mark.skipif(LEGACY, reason="Lightning 1.9 has no 16-mixed on CPU")
-def test_fp16_grad_scaler() -> None:
-    pytest.importorskip("torch")
-    try:
-        base, _, _ = _fit(None, precision="16-mixed")
-    except Exception as exc:  # pragma: no cover - depends on the CPU build
-        pytest.skip(f"16-mixed unavailable on this CPU build: {exc}")
-    model, finder, _ = _fit(300, "backward", precision="16-mixed")
+@pytest.mark.skipif(LEGACY, reason="pytorch-lightning 1.9 has no fp16 precision plugin for CPU")
+def test_fp16_with_its_grad_scaler() -> None:
+    """Lightning turns ``precision="16-mixed"`` into bf16 on CPU, so the plugin is built explicitly: fp16
+    autocast with a real ``GradScaler``, whose scaled gradients the recovery must accumulate unchanged."""
+    precision = importlib.import_module(NAMESPACE + ".plugins.precision")
+
+    def plugin() -> Any:
+        return precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+    base, _, base_trainer = _fit(None, "backward", plugins=[plugin()])
+    model, finder, trainer = _fit(300, "backward", plugins=[plugin()])
+    assert trainer.precision_plugin.scaler is not None and trainer.precision_plugin.precision == "16-mixed"
     assert any(e.is_recovery for e in finder.history)
-    assert _max_diff(base, model) < 1e-2
+    assert trainer.precision_plugin.scaler.get_scale() == base_trainer.precision_plugin.scaler.get_scale()
+    assert _max_diff(base, model) < 1e-4
