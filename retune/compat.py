@@ -707,6 +707,7 @@ def install_closure_runner(trainer: Any, run: Callable[[Any], Any]) -> Callable[
             with_loss=lambda result, loss: dataclasses.replace(result, closure_loss=loss),
             micro_logging=lambda batch, keep: micro_batch_logging(trainer, batch, keep),
             save_logs=lambda: save_logged_metrics(trainer),
+            journal_logs=lambda: journal_logged_metrics(trainer),
             where=f"epoch {trainer.current_epoch}, global step {trainer.global_step}",
         )
         closure.closure = lambda *args, **kw: run(parts)
@@ -789,6 +790,55 @@ def wrap_eval_step(
             object.__delattr__(pl_module, name)
 
     return undo
+
+
+_METRIC_STATE = ("value", "cumulated_batch_size", "_forward_cache", "_update_count", "_computed")
+
+
+def journal_logged_metrics(trainer: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Record what ``self.log`` changes from now on: ``(rollback, stop)``.
+
+    Used around a training step's whole-batch attempt, so that values logged before the point where
+    its forward ran out of memory can be taken back. Cheap enough for every step: a set of the
+    logged keys, and the previous state of a key only when the attempt logs it.
+    """
+    owner = _results_owner(trainer)
+    results = None if owner is None else owner._results
+    if results is None:
+        return _nothing, _nothing
+    keys = set(results.keys())
+    before: dict[str, dict[str, Any]] = {}
+    original = results.update_metrics
+
+    def update_metrics(key: str, value: Any, batch_size: int) -> None:
+        if key in keys and key not in before:
+            metric = results[key]
+            before[key] = {
+                name: state.clone() if isinstance(state, torch.Tensor) else state
+                for name in _METRIC_STATE
+                if hasattr(metric, name) and (state := getattr(metric, name)) is not metric
+            }
+        original(key, value, batch_size)
+
+    results.update_metrics = update_metrics
+
+    def stop() -> None:
+        if vars(results).get("update_metrics") is update_metrics:
+            del results.update_metrics
+
+    def rollback() -> None:
+        stop()
+        for key in [k for k in results if k not in keys]:
+            del results[key]  # first logged by the failed attempt
+        for key, state in before.items():
+            for name, value in state.items():
+                setattr(results[key], name, value)
+
+    return rollback, stop
+
+
+def _nothing() -> None:
+    return None
 
 
 def save_logged_metrics(trainer: Any) -> Callable[[], None]:

@@ -188,6 +188,7 @@ class StepParts:
         micro_logging: Callable[[Any, bool], Any],
         where: str = "",
         save_logs: Callable[[], Callable[[], None]] = lambda: lambda: None,
+        journal_logs: Callable[[], tuple[Callable[[], None], Callable[[], None]]] | None = None,
     ) -> None:
         self.batch = batch
         self.forward = forward  # the step on a (micro-)batch: returns the loop's step result
@@ -198,6 +199,7 @@ class StepParts:
         self.micro_logging = micro_logging  # context: (micro_batch, keep_logs) -> where self.log goes
         self.where = where  # "epoch 2, global step 40": for error messages
         self.save_logs = save_logs  # returns a function that puts the logged metrics back as they are now
+        self.journal_logs = journal_logs  # starts recording what self.log changes: (rollback, stop)
 
 
 class TrainStepRecovery:
@@ -234,9 +236,11 @@ class TrainStepRecovery:
             return self._in_pieces(step, self.pieces, forward_done=False, zero_done=False, failed_in="")
         self.finished.ids.clear()
         forward_done = zero_done = False
+        rollback_logs, stop_journal = step.journal_logs() if step.journal_logs is not None else (_none, _none)
         try:
             result = step.forward(step.batch)
             forward_done = True
+            stop_journal()
             if step.zero_grad is not None:
                 step.zero_grad()
             zero_done = True
@@ -245,10 +249,13 @@ class TrainStepRecovery:
                 step.backward(loss)
             return result
         except BaseException as exc:
+            stop_journal()
             if not is_oom_error(exc):
                 raise
         # outside the except block: the exception and the frames holding the failed step's tensors are gone
         result = loss = None
+        if not forward_done:
+            rollback_logs()  # what the failed forward logged before it ran out of memory
         free_accelerator_memory()
         failed_in = "backward" if forward_done else "forward"
         return self._in_pieces(step, 2, forward_done, zero_done, failed_in)
@@ -331,6 +338,10 @@ class TrainStepRecovery:
                 raise
             return None
         return last, (combined if combined is not None else torch.zeros(()))
+
+
+def _none() -> None:
+    return None
 
 
 def _samples(micro: Any) -> int | None:

@@ -76,6 +76,35 @@ def test_recovered_run_equals_a_run_with_enough_memory(where: str, trainer_kwarg
     assert torch.allclose(trainer.callback_metrics["train_loss"], base_loss, atol=tolerance)
 
 
+class LogsBeforeForward(TokenModel):
+    """Logs the samples it sees *before* the forward that runs out of memory: the failed attempt's value must
+    be taken back, or the epoch's sum would count those samples twice."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        n = float(len(batch["labels"]))
+        self.log("samples", n, on_step=False, on_epoch=True, reduce_fx="sum", batch_size=int(n))
+        self.log("first_seen", n, on_step=True, on_epoch=False)
+        return super().training_step(batch, batch_idx)
+
+
+def test_values_logged_before_a_forward_oom_are_taken_back() -> None:
+    seed(0)
+    model = LogsBeforeForward(capacity=300)
+    finder = ScheduledBatchSizeFinder(OOM, verbose=False, write_report=False)
+    trainer = pl.Trainer(
+        max_epochs=1,
+        callbacks=[finder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model)
+    assert any(e.is_recovery and "forward" in e.note for e in finder.history)
+    assert trainer.callback_metrics["samples"].item() == len(model.data)
+
+
 def test_adamw_and_accumulation_inside_a_window_in_backward() -> None:
     """Backward OOM on the second batch of an accumulation window: the first batch's gradients survive."""
     kwargs = {"model_kwargs": {"optimizer": "adamw", "lr": 0.01}, "accumulate_grad_batches": 3}
