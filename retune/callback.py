@@ -277,6 +277,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 step,
                 logging=lambda batch: compat.eval_logging(trainer, batch),
                 save_logs=lambda: compat.save_logged_metrics(trainer),
+                journal_logs=lambda: compat.journal_logged_metrics(trainer),
                 split_fn=self.split_batch,
                 on_recovered=lambda done: self._recovered(trainer, pl_module, stage, done),
                 where=lambda: f"{stage}, epoch {trainer.current_epoch}, global step {trainer.global_step}",

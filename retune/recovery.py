@@ -70,9 +70,11 @@ class EvalStepRecovery:
         on_recovered: Callable[[Recovered], None] | None = None,
         where: Callable[[], str] = lambda: "",
         save_logs: Callable[[], Callable[[], None]] = lambda: lambda: None,
+        journal_logs: Callable[[], tuple[Callable[[], None], Callable[[], None]]] | None = None,
     ) -> None:
         self.step = step
         self.save_logs = save_logs
+        self.journal_logs = journal_logs
         self.logging = logging
         self.split_fn = split_fn
         self.on_recovered = on_recovered
@@ -82,11 +84,15 @@ class EvalStepRecovery:
     def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         failed_in = ""
         if self.pieces == 1:
+            rollback_logs, stop_journal = self.journal_logs() if self.journal_logs is not None else (_none, _none)
             try:
                 return self.step(batch, *args, **kwargs)
             except BaseException as exc:
                 if not is_oom_error(exc):
                     raise
+            finally:
+                stop_journal()
+            rollback_logs()  # what the failed step logged before it ran out of memory
             free_accelerator_memory()
             failed_in = "forward"
         pieces, tried = max(2, self.pieces), 0
