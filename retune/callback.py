@@ -86,6 +86,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._eval_recovery: EvalStepRecovery | None = None
         self._undo: list[Callable[[], None]] = []
         self._eval_undo: Callable[[], None] | None = None  # no lambda: ddp_spawn pickles the callback
+        self._resumed_pieces = 1
         self.verbose = verbose
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.write_report = write_report
@@ -198,6 +199,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             loss_reduction="sum" if self._oom.loss_reduction == "sum" else "mean",
             on_recovered=lambda done: self._recovered(trainer, pl_module, "train", done),
         )
+        recovery.pieces, self._resumed_pieces = self._resumed_pieces, 1
         self._train_recovery = recovery
         run: Callable[[Any], Any] = recovery.run
         if compat.is_distributed(trainer):
@@ -253,6 +255,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             "accumulate": self._accumulate,
             "history": [event.to_dict() for event in self.history],
             "triggers": [_trigger_state(t) for t in self.triggers],
+            # the split the epoch keeps after a recovered OOM: a run resumed mid-epoch need not fail again first
+            "oom_pieces": 1 if self._train_recovery is None else self._train_recovery.pieces,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -264,6 +268,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             if saved is not None and hasattr(trigger, "load_state_dict"):
                 trigger.load_state_dict(saved)
         self._restored = True
+        self._resumed_pieces = int(state_dict.get("oom_pieces", 1))
 
     # -- out-of-memory recovery (the `oom` trigger; the mechanics live in retune.recovery) ------
 
@@ -301,8 +306,10 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
     def _recovered(self, trainer: Any, pl_module: Any, stage: str, done: Recovered) -> None:
         """Record a step that ran out of memory and was trained in micro-batches; the next search starts below it."""
         name = self._attr(trainer, pl_module, stage)
-        size = compat.get_batch_attr(trainer, pl_module, name)
+        # loaders passed straight to validate/predict have no batch-size attribute: the batch's own size
+        size = compat.get_batch_attr(trainer, pl_module, name) if compat.has_batch_attr(trainer, pl_module, name) else 0
         samples = done.samples or size
+        size = size or samples
         largest_piece = -(-samples // done.pieces)
         if stage == "train" and self._oom is not None:
             self._oom.record(failed_size=samples, fitting_size=largest_piece)

@@ -28,6 +28,7 @@ What a recovered step guarantees:
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -120,7 +121,7 @@ class EvalStepRecovery:
         self.pieces = max(self.pieces, len(micro))
         if failed_in and self.on_recovered is not None:
             self.on_recovered(Recovered(total or 0, len(micro), failed_in))
-        return join_outputs(outputs)
+        return join_outputs(outputs, [_samples(m) for m in micro])
 
     def _run(self, micro: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
         outputs: list[Any] = []
@@ -144,12 +145,13 @@ class FinishedGradients:
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.ids: set[int] = set()
+        # only the trainable ones are hooked, and only those are known: a frozen layer is hooked by
+        # rearm() once it is unfrozen, or its gradient would be counted twice after a backward OOM
+        self._params = [p for p in params if p.requires_grad]
         self._handles = [
             p.register_post_accumulate_grad_hook(self._record)  # type: ignore[no-untyped-call]
-            for p in params
-            if p.requires_grad
+            for p in self._params
         ]
-        self._params = list(params)
 
     def _record(self, param: torch.Tensor) -> None:
         self.ids.add(id(param))
@@ -290,7 +292,12 @@ class TrainStepRecovery:
                         f"and split_batch gives no more pieces for {pieces}; return more, smaller micro-batches"
                     )
                 restore_logs = step.save_logs() if not forward_done else None
-                outcome = self._train_micro(step, micro, keep_logs=not forward_done)
+                try:
+                    outcome = self._train_micro(step, micro, keep_logs=not forward_done)
+                except BaseException:
+                    aside.drop_new()
+                    aside.put_back()  # another error: the gradients set aside are not lost with it
+                    raise
                 if outcome is not None:
                     break
                 if restore_logs is not None:
@@ -377,6 +384,12 @@ def _weights(micro: Sequence[Any], reduction: LossReduction) -> list[float]:
         return [1.0] * len(micro)
     sizes = [_samples(m) for m in micro]
     if any(n is None for n in sizes):
+        warnings.warn(
+            "retune cannot tell how many samples the micro-batches from split_batch hold (no tensors with a "
+            "batch dimension, no len()); their losses are weighted equally, which equals the whole batch's "
+            "update only when the pieces are equal. Give the micro-batch type a __len__.",
+            stacklevel=2,
+        )
         return [1.0 / len(micro)] * len(micro)
     total = sum(n or 0 for n in sizes) or 1
     return [(n or 0) / total for n in sizes]

@@ -45,20 +45,30 @@ def piece_sizes(total: int, pieces: int) -> list[int]:
 def batch_length(batch: Any) -> int | None:
     """The number of samples in ``batch``: the leading dimension its tensors share (None if it has none).
 
-    Raises :class:`SplitError` when tensors disagree on the leading dimension, since then the batch
-    dimension is ambiguous and a split would pair samples wrongly.
+    Raises :class:`SplitError` when the batch dimension is ambiguous, since a split would then pair
+    samples wrongly: tensors that disagree on their leading dimension, or a list of per-sample values
+    (labels, strings) whose length is not that dimension (a ``tuple(zip(*samples))`` collate, whose
+    tuple of images would otherwise be cut along the channels).
     """
     lengths: set[int] = set()
-    _collect_lengths(batch, lengths, top=True)
+    per_sample: set[int] = set()
+    _collect_lengths(batch, lengths, per_sample, top=True)
     if len(lengths) > 1:
         raise SplitError(
             f"the tensors of this {type(batch).__name__} batch disagree on their first dimension "
             f"({sorted(lengths)}), so retune cannot tell the batch dimension; pass split_batch=fn"
         )
-    return next(iter(lengths)) if lengths else None
+    total = next(iter(lengths)) if lengths else None
+    if total is not None and per_sample - {total}:
+        raise SplitError(
+            f"this {type(batch).__name__} batch holds tensors with {total} rows and lists of "
+            f"{sorted(per_sample - {total})} per-sample values (a tuple(zip(*samples)) collate?), so retune "
+            "cannot tell the batch dimension; stack the samples in your collate_fn or pass split_batch=fn"
+        )
+    return total
 
 
-def _collect_lengths(value: Any, lengths: set[int], top: bool = False) -> None:
+def _collect_lengths(value: Any, lengths: set[int], per_sample: set[int], top: bool = False) -> None:
     if isinstance(value, torch.Tensor):
         if value.dim() > 0:
             lengths.add(int(value.shape[0]))
@@ -67,25 +77,39 @@ def _collect_lengths(value: Any, lengths: set[int], top: bool = False) -> None:
         return
     if isinstance(value, Mapping):
         for item in value.values():
-            _collect_lengths(item, lengths)
+            _collect_lengths(item, lengths, per_sample)
         return
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            _collect_lengths(getattr(value, f.name), lengths)
+            _collect_lengths(getattr(value, f.name), lengths, per_sample)
         return
     if isinstance(value, (list, tuple)):
-        if _is_container_of_batches(value):
+        if _is_container_of_batches(value) and not (not top and _all_same_shape_tensors(value)):
             for item in value:
-                _collect_lengths(item, lengths)
+                _collect_lengths(item, lengths, per_sample)
+        elif value:
+            per_sample.add(len(value))
         return
     if top:
         raise SplitError(_unknown_type_message(value))
 
 
 def _is_container_of_batches(value: Sequence[Any]) -> bool:
-    """A tuple/list holding tensors or nested containers (``(x, y)``), not a list of per-sample values."""
+    """A tuple/list holding batched tensors or nested containers (``(x, y)``), not a list of per-sample values."""
     return any(
-        isinstance(item, (torch.Tensor, Mapping, list, tuple)) or dataclasses.is_dataclass(item) for item in value
+        (isinstance(item, torch.Tensor) and item.dim() > 0)
+        or isinstance(item, (Mapping, list, tuple))
+        or dataclasses.is_dataclass(item)
+        for item in value
+    )
+
+
+def _all_same_shape_tensors(value: Sequence[Any]) -> bool:
+    """A nested list of same-shape tensors and nothing else: per-sample tensors (``tuple(zip(*samples))``)."""
+    return (
+        len(value) > 2
+        and all(isinstance(item, torch.Tensor) for item in value)
+        and len({tuple(item.shape) for item in value}) == 1
     )
 
 
@@ -114,8 +138,9 @@ def split_batch(batch: Any, pieces: int, split_fn: SplitFn | None = None) -> lis
     total = batch_length(batch)
     if total is None:
         raise SplitError(
-            f"this {type(batch).__name__} batch holds no tensor with a batch dimension, so retune cannot split it; "
-            "pass ScheduledBatchSizeFinder(..., split_batch=fn)"
+            f"this {type(batch).__name__} batch holds no tensor with a batch dimension (per-sample tensors in a "
+            "list, as a tuple(zip(*samples)) collate makes, are not stacked), so retune cannot split it; stack the "
+            "samples in your collate_fn or pass ScheduledBatchSizeFinder(..., split_batch=fn)"
         )
     sizes = piece_sizes(total, pieces)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -156,30 +181,41 @@ def _rebuild_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
         return items
 
 
-def join_outputs(outputs: Sequence[Any]) -> Any:
+def join_outputs(outputs: Sequence[Any], sizes: Sequence[int | None] | None = None) -> Any:
     """The outputs of a step's micro-batches as one output, as if the step had run on the whole batch.
 
-    Tensors with a batch dimension are concatenated; containers are joined leaf by leaf; a scalar
-    or anything else that cannot be concatenated is taken from the last micro-batch (a value such
-    as a mean loss has no whole-batch form to rebuild). Used for ``predict_step`` results and the
-    outputs that evaluation hooks receive.
+    ``sizes`` are the micro-batches' sample counts. A tensor whose first dimension is its own
+    micro-batch's size in every output is concatenated (when the trailing shapes differ, as for
+    predictions padded per micro-batch, the pieces come back as a list instead); so is a per-sample
+    list. Containers are joined leaf by leaf. Anything else — a scalar, a per-batch statistic such as
+    a mean — has no whole-batch form to rebuild and is taken from the last micro-batch. Without
+    ``sizes``, any tensor with a first dimension counts as batched.
     """
     if not outputs:
         return None
     if len(outputs) == 1:
         return outputs[0]
     first = outputs[0]
+
+    def batched(o: Any, i: int) -> bool:
+        n = None if sizes is None else sizes[i]
+        return o.dim() > 0 and (n is None or o.shape[0] == n)
+
     if isinstance(first, torch.Tensor):
-        if all(isinstance(o, torch.Tensor) and o.dim() > 0 and o.shape[1:] == first.shape[1:] for o in outputs):
+        if not all(isinstance(o, torch.Tensor) and batched(o, i) for i, o in enumerate(outputs)):
+            return outputs[-1]
+        if all(o.shape[1:] == first.shape[1:] for o in outputs):
             return torch.cat(list(outputs), dim=0)
-        return outputs[-1]
+        return list(outputs)  # batched, but of different shapes: each micro-batch's, in order
     if isinstance(first, Mapping) and all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
-        return _rebuild_mapping(first, {key: join_outputs([o[key] for o in outputs]) for key in first})
+        return _rebuild_mapping(first, {key: join_outputs([o[key] for o in outputs], sizes) for key in first})
     if isinstance(first, (list, tuple)) and all(type(o) is type(first) for o in outputs):
         if _is_container_of_batches(first) and all(len(o) == len(first) for o in outputs):
-            parts = [join_outputs([o[i] for o in outputs]) for i in range(len(first))]
-        else:
+            parts = [join_outputs([o[i] for o in outputs], sizes) for i in range(len(first))]
+        elif sizes is None or all(len(o) == n for o, n in zip(outputs, sizes, strict=True)):
             parts = [item for o in outputs for item in o]  # per-sample lists: concatenate
+        else:
+            return outputs[-1]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
             return type(first)(*parts)
         return type(first)(parts)

@@ -32,11 +32,12 @@ def _fit(
     seed(0)
     model = TokenModel(capacity=capacity, where=where, **(model_kwargs or {}))
     finder = ScheduledBatchSizeFinder(schedule or OOM, verbose=False, write_report=False)
+    extra = trainer_kwargs.pop("callbacks_extra", [])
+    trainer_kwargs.setdefault("enable_checkpointing", False)
     trainer = pl.Trainer(
         max_epochs=epochs,
-        callbacks=[finder],
+        callbacks=[finder, *extra],
         logger=False,
-        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
@@ -142,6 +143,17 @@ def test_with_largest_probes_the_next_epoch_runs_at_a_size_that_fits_every_batch
     assert trainer.current_epoch == 3
 
 
+def test_a_mid_epoch_checkpoint_keeps_the_split(tmp_path: Any) -> None:
+    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    _, finder, _ = _fit(300, "forward", enable_checkpointing=True, callbacks_extra=[checkpoints])
+    path = sorted(tmp_path.glob("*step=3*.ckpt"))[0]
+    saved = torch.load(path, weights_only=False)["callbacks"][finder.state_key]
+    assert saved["oom_pieces"] >= 2
+    resumed = ScheduledBatchSizeFinder(OOM, verbose=False)
+    resumed.load_state_dict(saved)
+    assert resumed._resumed_pieces == saved["oom_pieces"]
+
+
 def test_the_callback_pickles_for_ddp_spawn() -> None:
     import pickle
 
@@ -232,6 +244,22 @@ def test_evaluation_steps_recover_and_predictions_come_back_whole() -> None:
     stages = {e.stage for e in finder.history if e.is_recovery}
     assert stages == {"predict", "val"}
     assert small.predict_step.__func__ is TokenModel.predict_step  # unwrapped after the loop
+
+
+def test_evaluation_recovers_with_loaders_given_to_the_trainer_and_no_batch_size_attribute() -> None:
+    class NoAttr(TokenModel):
+        def __init__(self) -> None:
+            super().__init__(capacity=300)
+            del self.batch_size
+
+    model = NoAttr()
+    loader = DataLoader(model.data, batch_size=16, collate_fn=pad_collate)
+    finder = ScheduledBatchSizeFinder(OOM, verbose=False, write_report=False)
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[finder])
+    predictions = trainer.predict(model, dataloaders=loader)
+    assert predictions is not None and sum(len(p["index"]) for p in predictions) == len(model.data)
+    event = next(e for e in finder.history if e.is_recovery)
+    assert event.stage == "predict" and event.batch_size_after == 16
 
 
 def test_recovery_is_in_history_table_and_state_dict() -> None:

@@ -148,6 +148,36 @@ def test_a_parameter_unfrozen_later_is_hooked() -> None:
     recovery.close()
 
 
+def test_a_layer_frozen_at_the_start_and_unfrozen_later_is_not_counted_twice() -> None:
+    """The head is frozen when the recovery starts, then unfrozen: a backward OOM leaves its gradient complete."""
+    net = Net()
+    net.head.requires_grad_(False)
+    recovery = TrainStepRecovery(lambda: list(net.parameters()))
+    net.head.requires_grad_(True)
+    batch = _batch()
+    recovery.run(_parts(net, batch, 4, "backward"))
+    for got, want in zip(net.parameters(), _whole_batch_grads(batch), strict=True):
+        assert torch.allclose(got.grad, want, atol=1e-6)  # type: ignore[arg-type]
+
+
+def test_micro_batches_of_unknown_size_warn_about_equal_weights() -> None:
+    class Opaque:
+        def __init__(self, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+            self.data = data
+
+    net = Net()
+    parts = _parts(net, _batch(), 4, "forward")
+    inner = parts.forward
+    parts.batch = Opaque(parts.batch)
+    parts.forward = lambda b: inner(b.data)
+    recovery = TrainStepRecovery(
+        lambda: list(net.parameters()),
+        split_fn=lambda b, n: [Opaque((b.data[0][:4], b.data[1][:4])), Opaque((b.data[0][4:], b.data[1][4:]))],
+    )
+    with pytest.warns(UserWarning, match="weighted equally"):
+        recovery.run(parts)
+
+
 def test_eval_step_joins_outputs_and_reports() -> None:
     seen: list[Recovered] = []
 

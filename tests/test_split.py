@@ -84,3 +84,18 @@ def test_hugging_face_batch_encoding_splits_into_batch_encodings() -> None:
     assert [p["labels"].tolist() for p in parts] == [[0, 1], [2, 3]]
     assert parts[1].input_ids.shape == (2, 3)  # attribute access still works
     assert torch.equal(join_outputs([{"logits": p["input_ids"]} for p in parts])["logits"], batch["input_ids"])
+
+
+def test_a_zip_collate_is_refused_not_cut_along_the_channels() -> None:
+    images = tuple(torch.zeros(3, 8, 8) for _ in range(4))
+    with pytest.raises(SplitError, match=r"no tensor with a batch dimension .*zip"):
+        split_batch((images, (0, 1, 2, 3)), 2)
+    with pytest.raises(SplitError, match=r"3 rows and lists of \[4\] per-sample values"):
+        split_batch((torch.zeros(3, 2), ["a", "b", "c", "d"]), 2)
+
+
+def test_join_keeps_per_batch_statistics_and_ragged_predictions_whole() -> None:
+    outs = [{"stat": torch.ones(4), "pred": torch.zeros(2, 5)}, {"stat": torch.ones(4) * 2, "pred": torch.zeros(2, 7)}]
+    joined = join_outputs(outs, sizes=[2, 2])
+    assert torch.equal(joined["stat"], torch.ones(4) * 2)  # not batched: the last micro-batch's
+    assert [p.shape for p in joined["pred"]] == [(2, 5), (2, 7)]  # batched, ragged: every piece, in order
