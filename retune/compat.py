@@ -535,15 +535,12 @@ def hooks_isolated(trainer: Any, pl_module: Any, stage: str = "train") -> Iterat
     saved_loggers = list(trainer.loggers)
     saved_results = None if owner is None else owner._results
     saved_fx = pl_module._current_fx_name
-    result_cls = _module(ns + ".trainer.connectors.logger_connector.result")._ResultCollection
     dummy = _module(ns + ".loggers.logger").DummyLogger
     try:
         trainer.callbacks = [] if progress_bar is None else [progress_bar]
         trainer.loggers = [dummy()] if saved_loggers else []
         if owner is not None and saved_results is not None:
-            owner._results = result_cls(training=stage == "train")
-            if is_legacy(trainer):
-                owner._results.device = saved_results.device
+            owner._results = _throwaway_results(trainer, saved_results, training=stage == "train")
         pl_module._current_fx_name = _FX_NAMES[stage]
         yield
     finally:
@@ -552,6 +549,16 @@ def hooks_isolated(trainer: Any, pl_module: Any, stage: str = "train") -> Iterat
         if owner is not None and saved_results is not None:
             owner._results = saved_results
         pl_module._current_fx_name = saved_fx
+
+
+def _throwaway_results(trainer: Any, like: Any, training: bool) -> Any:
+    """An empty ``self.log`` collection standing in for ``like``; what is logged into it is dropped."""
+    results = _module(namespace_of(trainer) + ".trainer.connectors.logger_connector.result")._ResultCollection(
+        training=training
+    )
+    if is_legacy(trainer):
+        results.device = like.device
+    return results
 
 
 # -- state that a probe can change -------------------------------------------------------------
@@ -708,7 +715,7 @@ def install_closure_runner(trainer: Any, run: Callable[[Any], Any]) -> Callable[
             micro_logging=lambda batch, keep: micro_batch_logging(trainer, batch, keep),
             save_logs=lambda: save_logged_metrics(trainer),
             journal_logs=lambda: journal_logged_metrics(trainer),
-            where=f"epoch {trainer.current_epoch}, global step {trainer.global_step}",
+            where=lambda: f"epoch {trainer.current_epoch}, global step {trainer.global_step}",
         )
         closure.closure = lambda *args, **kw: run(parts)
         return closure
@@ -755,12 +762,7 @@ def micro_batch_logging(trainer: Any, batch: Any, keep: bool) -> Iterator[None]:
         finally:
             results.batch, results.batch_size = saved
         return
-    throwaway = _module(namespace_of(trainer) + ".trainer.connectors.logger_connector.result")._ResultCollection(
-        training=True
-    )
-    if is_legacy(trainer):
-        throwaway.device = results.device
-    owner._results = throwaway
+    owner._results = _throwaway_results(trainer, results, training=True)
     try:
         yield
     finally:
@@ -795,12 +797,31 @@ def wrap_eval_step(
 _METRIC_STATE = ("value", "cumulated_batch_size", "_forward_cache", "_update_count", "_computed")
 
 
+def _metric_state(metric: Any) -> dict[str, Any]:
+    """What ``self.log`` changes in one logged value: its accumulators (reassigned, never updated in place)."""
+    return {
+        name: value.clone() if isinstance(value, torch.Tensor) else value
+        for name in _METRIC_STATE
+        if hasattr(metric, name)
+        for value in [getattr(metric, name)]
+    }
+
+
+def _put_back(results: Any, keys: set[str], saved: dict[str, dict[str, Any]]) -> None:
+    """Drop the values first logged after ``keys`` were the collection's, and restore the ``saved`` states."""
+    for key in [k for k in results if k not in keys]:
+        del results[key]
+    for key, state in saved.items():
+        for name, value in state.items():
+            setattr(results[key], name, value)
+
+
 def journal_logged_metrics(trainer: Any) -> tuple[Callable[[], None], Callable[[], None]]:
     """Record what ``self.log`` changes from now on: ``(rollback, stop)``.
 
-    Used around a training step's whole-batch attempt, so that values logged before the point where
-    its forward ran out of memory can be taken back. Cheap enough for every step: a set of the
-    logged keys, and the previous state of a key only when the attempt logs it.
+    Used around a step's whole-batch attempt, so that values logged before the point where its
+    forward ran out of memory can be taken back. Cheap enough for every step: a set of the logged
+    keys, and the previous state of a key only when the attempt logs it.
     """
     owner = _results_owner(trainer)
     results = None if owner is None else owner._results
@@ -812,12 +833,7 @@ def journal_logged_metrics(trainer: Any) -> tuple[Callable[[], None], Callable[[
 
     def update_metrics(key: str, value: Any, batch_size: int) -> None:
         if key in keys and key not in before:
-            metric = results[key]
-            before[key] = {
-                name: state.clone() if isinstance(state, torch.Tensor) else state
-                for name in _METRIC_STATE
-                if hasattr(metric, name) and (state := getattr(metric, name)) is not metric
-            }
+            before[key] = _metric_state(results[key])
         original(key, value, batch_size)
 
     results.update_metrics = update_metrics
@@ -828,11 +844,7 @@ def journal_logged_metrics(trainer: Any) -> tuple[Callable[[], None], Callable[[
 
     def rollback() -> None:
         stop()
-        for key in [k for k in results if k not in keys]:
-            del results[key]  # first logged by the failed attempt
-        for key, state in before.items():
-            for name, value in state.items():
-                setattr(results[key], name, value)
+        _put_back(results, keys, before)
 
     return rollback, stop
 
@@ -842,33 +854,18 @@ def _nothing() -> None:
 
 
 def save_logged_metrics(trainer: Any) -> Callable[[], None]:
-    """A copy of what ``self.log`` has collected so far, and the function that puts it back.
+    """Take what ``self.log`` has collected so far; returns the function that puts it back.
 
     Taken only while a step recovers, before a round of micro-batches: when one of them runs out of
     memory too, the round's earlier micro-batches have logged values that the next round logs again.
     """
     owner = _results_owner(trainer)
     results = None if owner is None else owner._results
-    if owner is None or results is None:
-        return lambda: None
-    fields = ("value", "cumulated_batch_size", "_forward_cache", "_update_count", "_computed")
-    saved = {
-        key: {
-            name: value.clone() if isinstance(value, torch.Tensor) else value
-            for name in fields
-            if (value := getattr(metric, name, None)) is not None or hasattr(metric, name)
-        }
-        for key, metric in results.items()
-    }
-
-    def restore() -> None:
-        for key in [k for k in results if k not in saved]:
-            del results[key]  # first logged by the micro-batches being dropped
-        for key, state in saved.items():
-            for name, value in state.items():
-                setattr(results[key], name, value)
-
-    return restore
+    if results is None:
+        return _nothing
+    keys = set(results.keys())
+    saved = {key: _metric_state(metric) for key, metric in results.items()}
+    return lambda: _put_back(results, keys, saved)
 
 
 def eval_logging(trainer: Any, batch: Any) -> Any:

@@ -194,7 +194,7 @@ class StepParts:
         loss_of: Callable[[Any], torch.Tensor | None],
         with_loss: Callable[[Any, torch.Tensor | None], Any],
         micro_logging: Callable[[Any, bool], Any],
-        where: str = "",
+        where: Callable[[], str] = lambda: "",
         save_logs: Callable[[], Callable[[], None]] = lambda: lambda: None,
         journal_logs: Callable[[], tuple[Callable[[], None], Callable[[], None]]] | None = None,
     ) -> None:
@@ -205,7 +205,7 @@ class StepParts:
         self.loss_of = loss_of  # the loss tensor (with graph) in a step result
         self.with_loss = with_loss  # the step result with another loss
         self.micro_logging = micro_logging  # context: (micro_batch, keep_logs) -> where self.log goes
-        self.where = where  # "epoch 2, global step 40": for error messages
+        self.where = where  # "epoch 2, global step 40", for error messages: built only when one is raised
         self.save_logs = save_logs  # returns a function that puts the logged metrics back as they are now
         self.journal_logs = journal_logs  # starts recording what self.log changes: (rollback, stop)
 
@@ -288,8 +288,8 @@ class TrainStepRecovery:
                 if len(micro) <= tried:
                     aside.put_back()
                     raise RetuneError(
-                        f"the training step at {step.where or 'this step'} ran out of memory in {tried} micro-batches "
-                        f"and split_batch gives no more pieces for {pieces}; return more, smaller micro-batches"
+                        f"the training step at {step.where() or 'this step'} ran out of memory in {tried} "
+                        f"micro-batches and split_batch gives no more pieces for {pieces}; return more, smaller ones"
                     )
                 restore_logs = step.save_logs() if not forward_done else None
                 try:
@@ -310,7 +310,7 @@ class TrainStepRecovery:
                         for p in done:
                             p.grad = None  # the window started with this batch: nothing came before it
                     raise RetuneError(
-                        f"the training step at {step.where or 'this step'} ran out of memory on a batch of "
+                        f"the training step at {step.where() or 'this step'} ran out of memory on a batch of "
                         f"{total if total is not None else len(micro)} samples, and still did in micro-batches "
                         "of one sample: "
                         "one sample does not fit in memory. "

@@ -27,11 +27,13 @@ def _fit(
     schedule: dict[str, Any] | None = None,
     epochs: int = 1,
     model_kwargs: dict[str, Any] | None = None,
+    model_cls: type[TokenModel] = TokenModel,
+    split_batch: Any = None,
     **trainer_kwargs: Any,
 ) -> tuple[TokenModel, ScheduledBatchSizeFinder, Any]:
     seed(0)
-    model = TokenModel(capacity=capacity, where=where, **(model_kwargs or {}))
-    finder = ScheduledBatchSizeFinder(schedule or OOM, verbose=False, write_report=False)
+    model = model_cls(capacity=capacity, where=where, **(model_kwargs or {}))
+    finder = ScheduledBatchSizeFinder(schedule or OOM, verbose=False, write_report=False, split_batch=split_batch)
     extra = trainer_kwargs.pop("callbacks_extra", [])
     trainer_kwargs.setdefault("enable_checkpointing", False)
     trainer = pl.Trainer(
@@ -89,19 +91,7 @@ class LogsBeforeForward(TokenModel):
 
 
 def test_values_logged_before_a_forward_oom_are_taken_back() -> None:
-    seed(0)
-    model = LogsBeforeForward(capacity=300)
-    finder = ScheduledBatchSizeFinder(OOM, verbose=False, write_report=False)
-    trainer = pl.Trainer(
-        max_epochs=1,
-        callbacks=[finder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    trainer.fit(model)
+    model, finder, trainer = _fit(300, "forward", model_cls=LogsBeforeForward)
     assert any(e.is_recovery and "forward" in e.note for e in finder.history)
     assert trainer.callback_metrics["samples"].item() == len(model.data)
 
@@ -183,20 +173,7 @@ def test_custom_batch_needs_a_split_function() -> None:
             pass
 
     def fit(split: Any) -> Any:
-        seed(0)
-        model = CustomBatchModel(capacity=300)
-        finder = ScheduledBatchSizeFinder(OOM, verbose=False, write_report=False, split_batch=split)
-        trainer = pl.Trainer(
-            max_epochs=1,
-            callbacks=[finder],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-        )
-        trainer.fit(model)
-        return model
+        return _fit(300, "forward", model_cls=CustomBatchModel, split_batch=split)[0]
 
     with pytest.raises(TypeError, match=r"cannot split a batch of type .*Batch.*split_batch=fn"):
         fit(None)

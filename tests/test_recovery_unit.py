@@ -52,7 +52,7 @@ def _parts(net: Net, batch: tuple[torch.Tensor, torch.Tensor], capacity: int, wh
         loss_of=lambda r: r["loss"],
         with_loss=lambda r, loss: {**r, "loss": loss},
         micro_logging=lambda b, keep: contextlib.nullcontext(),
-        where="epoch 0, global step 7",
+        where=lambda: "epoch 0, global step 7",
         save_logs=kw.get("save_logs", lambda: lambda: None),
     )
 
