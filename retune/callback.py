@@ -29,6 +29,8 @@ from retune.probe_batches import ProbeBatches
 from retune.recovery import EvalStepRecovery, Recovered, TrainStepRecovery
 from retune.search import Direction, MemoryModel, Mode, SearchResult, plan_search, run_model_search, run_search
 from retune.split import SplitFn
+from retune.step_timer import Clock
+from retune.throughput import ThroughputPlan, choose_fastest, timed_sizes, trial_rates, with_choice
 from retune.triggers import OutOfMemory, TrainingView, Trigger, build_triggers, evaluate
 
 log = logging.getLogger("retune")
@@ -51,6 +53,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             micro-batches: ``fn(batch, pieces) -> list of micro-batches`` (see :mod:`retune.split`).
         sample_size: ``fn(sample) -> int``, the size of ``dataset[i]`` that ``search.probe_samples: largest``
             ranks samples by (default: the number of elements in its tensors, numbers and strings).
+        clock: with ``search.objective: throughput``, the timer probe steps are read with (default
+            ``time.perf_counter``); a simulation or a test passes one that advances by a known step time.
 
     Example::
 
@@ -76,8 +80,10 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         write_report: bool = True,
         split_batch: SplitFn | None = None,
         sample_size: Callable[[Any], int] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.schedule = load_schedule(schedule)
+        self.clock = clock
         self.probe_batches = ProbeBatches.from_schedule(self.schedule, schedule, sample_size, say=self._say)
         self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
         self.split_batch = split_batch
@@ -379,7 +385,10 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             stage=stage,
             track_memory=mode == "model" or device.type == "cuda",
             arrange=lambda loader: self.probe_batches.arrange(loader, stage, config.steps_per_trial),
+            time_steps=config.objective == "throughput",
+            clock=self.clock,
         )
+        largest: int | None = None
         try:
             with prober.session():
                 if mode == "model" and limit is not None:
@@ -388,6 +397,16 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                     result = run_model_search(plan, prober.measure, limit, prior)
                 else:
                     result = run_search(plan, prober.fits)
+                if config.objective == "throughput" and result.size is not None:
+                    # among the sizes that fit, the fastest; a re-tune starts looking at the last choice
+                    largest = result.size
+                    start = None if cold or not config.warm_start else state.size
+                    choice = choose_fastest(
+                        ThroughputPlan(cap=largest, tolerance=config.throughput_tolerance, start=start),
+                        timed_sizes(result.trials, prober.step_times),
+                        prober.time,
+                    )
+                    result = with_choice(result, choice)
         except BaseException:
             compat.set_batch_attr(trainer, pl_module, name, before)
             raise
@@ -424,6 +443,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             lr_factor=factor,
             mode=mode,
             note=note,
+            objective=config.objective,
+            samples_per_s=trial_rates(result.trials, prober.step_times) if largest is not None else [],
+            largest=largest,
         )
         self.history.append(event)
         state.size, state.last = result.size, result
@@ -537,9 +559,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             return
         trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
 
-    def _report_trial(self, size: int, fits: bool, peak: int | None) -> None:
+    def _report_trial(self, size: int, fits: bool, peak: int | None, samples_per_s: float | None = None) -> None:
         self._trial_no += 1
-        self._say("  " + report.format_trial(self._trial_no, size, fits, peak))
+        self._say("  " + report.format_trial(self._trial_no, size, fits, peak, samples_per_s))
 
     def _log_event(self, trainer: Any, event: RetuneEvent) -> None:
         """Send a search's result to every logger, at the step it ran (the probes are over: loggers are back).
