@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from retune import compat, report
+from retune import compat, hook_calls, messages, report
 from retune.apply import accumulation_for, lr_factor, scale_learning_rates
 from retune.attrs import duplicate_attr_message, loader_batch_size
 from retune.errors import RetuneError
@@ -116,6 +116,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
+        messages.set_rank(int(getattr(trainer, "global_rank", 0)))
         self._disabled = bool(trainer.fast_dev_run)
         if self._disabled:
             self._say("fast_dev_run is on: skipping every batch-size search in this run", warn=True)
@@ -128,6 +129,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             if tuned == "val" and stage == "fit" and not self._separate_val(trainer, pl_module):
                 continue
             compat.check_source(trainer, tuned)
+            hook_calls.check_probeable(trainer, pl_module, tuned)
             name = self._attr(trainer, pl_module, tuned)
             if not compat.has_batch_attr(trainer, pl_module, name):
                 raise RetuneError(
@@ -563,7 +565,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         if self._disabled or not self.history or not self._is_global_zero:
             return
         if self.verbose:
-            _print(report.format_table(self.history))
+            messages.print_line(report.format_table(self.history))
         out = self.out_dir
         if out is None:
             folder = compat.log_dir(trainer)  # not trainer.log_dir: a collective, and only rank zero is here
@@ -577,12 +579,11 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._say(f"history, CSV and plot in {out}")
 
     def _say(self, message: str, warn: bool = False) -> None:
+        """A warning (always, once) or, when ``verbose``, a progress line; rank zero only (``retune.messages``)."""
         if warn:
-            log.warning(message)
-        else:
-            log.info(message)
-        if (self.verbose or warn) and self._is_global_zero:
-            _print(f"[retune] {message}")
+            messages.warn(message)
+        elif self.verbose:
+            messages.progress(message)
 
 
 @dataclass
@@ -613,18 +614,6 @@ class _StageState:
 def _trigger_state(trigger: Trigger) -> dict[str, Any] | None:
     state = getattr(trigger, "state_dict", None)
     return state() if callable(state) else None
-
-
-def _print(message: str) -> None:
-    """Print above a TQDM progress bar instead of through it."""
-    import sys
-
-    try:
-        from tqdm import tqdm
-
-        tqdm.write(message, file=sys.stderr)
-    except ImportError:  # pragma: no cover - Lightning depends on tqdm
-        print(message, file=sys.stderr)
 
 
 __all__ = ["ScheduledBatchSizeFinder", "Trial"]
