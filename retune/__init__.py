@@ -20,6 +20,7 @@ __all__ = [
     "RetuneWarning",
     "ScheduleError",
     "ScheduledBatchSizeFinder",
+    "ScheduledLRFinder",
     "TrainingView",
     "Trial",
     "Trigger",
@@ -36,6 +37,10 @@ def __getattr__(name: str) -> object:
         from retune.callback import ScheduledBatchSizeFinder
 
         return ScheduledBatchSizeFinder
+    if name == "ScheduledLRFinder":
+        from retune.lr_callback import ScheduledLRFinder
+
+        return ScheduledLRFinder
     if name == "is_oom_error":
         from retune.oom import is_oom_error
 
