@@ -112,7 +112,13 @@ def _mlp(limit: int, n: int) -> Model:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(n, 128, generator=g), torch.randint(0, 10, (n,), generator=g))
     net = nn.Sequential(
-        nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+        nn.Linear(128, 256),
+        nn.ReLU(),
+        nn.Linear(256, 256),
+        nn.ReLU(),
+        nn.Linear(256, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
     )
     return Model(net, data, limit, _classify)
 
@@ -296,14 +302,18 @@ def main(argv: list[str] | None = None) -> int:
         },
     ]
     print()
-    header = "scenario | limit | sweep best (samples/s) | largest: size, samples/s, / best | throughput: sizes, / best | trials T/L | seconds T/L"
+    header = (
+        "scenario | limit | sweep best (samples/s) | largest: size, samples/s, / best | throughput: sizes, / best "
+        "| trials T/L | seconds T/L"
+    )
     print(header)
     for r in rows:
         print(
             f"{r['scenario']} | {r['limit']} | {r['sweep_best']} ({r['sweep_best_rate']:.0f}) | {r['largest_size']}, "
             f"{r['largest_rate']:.0f}, {r['largest_over_best']:.3f} | {r['throughput_sizes']}, "
-            f"{', '.join(f'{x:.3f}' for x in r['throughput_over_best'])} | {r['trials_throughput']:g}/{r['trials_largest']:g} "
-            f"| {r['seconds_throughput']:.1f}/{r['seconds_largest']:.1f}"
+            f"{', '.join(f'{x:.3f}' for x in r['throughput_over_best'])} | "
+            f"{r['trials_throughput']:g}/{r['trials_largest']:g} | "
+            f"{r['seconds_throughput']:.1f}/{r['seconds_largest']:.1f}"
         )
     for target in targets:
         print(f"{'PASS' if target['pass'] else 'FAIL'}  {target['target']}: {target['value']}")
