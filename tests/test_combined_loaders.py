@@ -237,7 +237,13 @@ def test_probe_samples_largest_picks_each_combined_loaders_largest_samples() -> 
     )
     with retune_warnings() as said:
         pl.Trainer(
-            max_epochs=1, limit_train_batches=1, logger=False, enable_progress_bar=False, callbacks=[finder]
+            max_epochs=1,
+            limit_train_batches=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[finder],
         ).fit(model)
     assert not [m for m in said if "cannot pick" in m], said
     assert model.firsts[0] == {"small": [47, 46], "large": [199, 198]}  # the trial at size 2
