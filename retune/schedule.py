@@ -307,8 +307,8 @@ class LRFindConfig(_Config):
     steps: StrictInt = Field(100, ge=2, description="Training steps (one batch each) in one range test.")
     early_stop_threshold: Union[Annotated[StrictFloat, Field(gt=1.0, allow_inf_nan=False)], None] = Field(
         4.0,
-        description="Stop the test once the smoothed loss exceeds this many times its lowest value (a non-finite "
-        "loss always stops it); null: run every step.",
+        description="Stop the test once the smoothed loss exceeds this many times the larger of its lowest value "
+        "and its value at the third step (a non-finite loss always stops it); null: run every step.",
     )
     smoothing: StrictFloat = Field(
         0.98, ge=0.0, lt=1.0, description="Exponential moving average factor for the loss (0: no smoothing)."
