@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from retune.errors import FieldProblem, ScheduleError
-from retune.schedule import TRIGGER_KINDS, RetuneSchedule
+from retune.schedule import TRIGGER_KINDS, FieldConflict, RetuneSchedule
 
 ScheduleSource = Union[str, Path, Mapping[str, Any], RetuneSchedule]
 
@@ -217,6 +217,9 @@ def _model_at(loc: Sequence[int | str], data_kind: str | None) -> type[BaseModel
 
 def _problem(err: ErrorDetails) -> FieldProblem:
     loc = err["loc"]
+    conflict = err.get("ctx", {}).get("error")
+    if isinstance(conflict, FieldConflict):
+        loc = (*loc, conflict.field)
     path = format_path(loc)
     kind = err["type"]
     value = err.get("input")

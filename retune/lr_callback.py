@@ -60,9 +60,11 @@ class ScheduledLRFinder(*_BASES):  # type: ignore[misc]
         finder.lr        # the last rate set
         finder.history   # one LRFindEvent per range test
 
-    At fit start every param group is tested and set; at a later trigger, by default (``groups: new``)
-    only the groups holding parameters that were added to the optimizer or unfrozen since the last
-    epoch start. With a :class:`~retune.ScheduledBatchSizeFinder` firing at the same epoch start, the
+    By default (``groups: new``) every param group is tested and set at fit start, and at a later
+    trigger only the groups holding parameters that were added to the optimizer or unfrozen since the
+    last epoch start; an explicit list of groups is honoured at fit start too. The suggestion becomes
+    each group's nominal rate (what a warmup warms up to, where OneCycle peaks: :mod:`retune.lr_apply`).
+    A schedule without an ``lr_find`` section runs with the defaults and says so once. With a :class:`~retune.ScheduledBatchSizeFinder` firing at the same epoch start, the
     batch size is searched first and the range test runs at the new size, whatever the callback order.
     """
 
@@ -88,6 +90,7 @@ class ScheduledLRFinder(*_BASES):  # type: ignore[misc]
         self._restored = False
         self._disabled = False
         self._is_global_zero = True
+        self._defaults_said = False
 
     @property
     def lr(self) -> float | None:
@@ -116,6 +119,9 @@ class ScheduledLRFinder(*_BASES):  # type: ignore[misc]
             )
         compat.unshare_spawned_weights(trainer, pl_module)
         move_retune_last(trainer)
+        if not self._defaults_said and "lr_find" not in self.schedule.model_fields_set:
+            self._defaults_said = True
+            self._say(lr_report.defaults_notice(self.schedule.lr_find))
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self._disabled:

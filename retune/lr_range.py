@@ -256,15 +256,16 @@ def new_groups(before: Sequence[GroupInfo] | None, after: Sequence[GroupInfo]) -
 def select_groups(spec: GroupSpec, n_groups: int, new: Sequence[int], fit_start: bool) -> list[int]:
     """The groups one range test tunes.
 
-    At fit start every group. Otherwise ``"all"`` is every group, a tuple is those indices (each
-    must exist), and ``"new"`` the groups holding new or newly trainable parameters, or every group
-    when the trigger added none (an epoch milestone: there is no "new" to prefer).
+    ``"all"`` is every group, a tuple is those indices (each must exist), at fit start as at any other
+    trigger: a list keeps the other groups' configured (discriminative) rates. ``"new"`` is the groups
+    holding new or newly trainable parameters; at fit start, or when the trigger added none (an epoch
+    milestone: there is no "new" to prefer), every group.
     """
     everything = list(range(n_groups))
-    if fit_start or spec == "all":
+    if spec == "all":
         return everything
     if spec == "new":
-        return list(new) if new else everything
+        return list(new) if new and not fit_start else everything
     if isinstance(spec, str):
         raise ValueError(f"unknown group selection {spec!r}; use 'new', 'all' or a list of group indices")
     missing = [i for i in spec if not 0 <= i < n_groups]

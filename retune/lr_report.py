@@ -19,6 +19,7 @@ from typing import Any
 from retune import messages
 from retune.lr_events import LRFindEvent
 from retune.report import PLOT_DPI, PLOT_SIZE_PX, PathLike
+from retune.schedule import LRFindConfig
 
 KIND = "lr_find"
 FORMAT_VERSION = 1
@@ -223,3 +224,17 @@ def plot_lr_history(path: PathLike, events: Sequence[LRFindEvent]) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=PLOT_DPI, format="png")
     return path
+
+
+def defaults_notice(config: LRFindConfig) -> str:
+    """What a schedule without an ``lr_find`` section runs with, as Lightning's ``LearningRateFinder()`` runs
+    with its defaults: said once, so that a schedule written for the batch-size finder does not pick a
+    rate without the user seeing how."""
+    values = ", ".join(f"{name} {_text(getattr(config, name))}" for name in type(config).model_fields)
+    return f"the schedule has no lr_find section: the range tests use the defaults ({values})"
+
+
+def _text(value: object) -> str:
+    if isinstance(value, tuple):
+        return str(list(value))
+    return "null" if value is None else str(value)

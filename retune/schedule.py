@@ -66,6 +66,18 @@ def parse_byte_size(text: str) -> int:
     return int(value)
 
 
+class FieldConflict(ValueError):
+    """A value that conflicts with another field's (written or defaulted), raised by a model validator.
+
+    Pydantic locates a model validator's error at the model itself; ``field`` names the key to point
+    at (``retune.loading`` appends it to the error's path).
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -320,28 +332,37 @@ class LRFindConfig(_Config):
     )
     groups: Union[Literal["new", "all"], tuple[StrictInt, ...]] = Field(
         "new",
-        description="Param groups a re-tune sets (fit start always tunes all): new: the groups holding parameters "
-        "that were added or unfrozen (all when none were); all; or a list of group indices.",
+        description="Param groups a range test sets: new: the groups holding parameters that were added or unfrozen "
+        "since the last epoch start (every group at fit start, and when none were); all; or a list of group "
+        "indices, honoured at fit start too.",
     )
 
-    @field_validator("max_lr")
-    @classmethod
-    def _max_above_min(cls, value: float, info: ValidationInfo) -> float:
-        min_lr = info.data.get("min_lr")
-        if min_lr is not None and value <= min_lr:
-            raise ValueError(f"max_lr ({value}) must be greater than min_lr ({min_lr})")
-        return value
-
-    @field_validator("steps")
-    @classmethod
-    def _points_left(cls, value: int, info: ValidationInfo) -> int:
-        skip_begin, skip_end = info.data.get("skip_begin"), info.data.get("skip_end")
-        if skip_begin is not None and skip_end is not None and value < skip_begin + skip_end + 2:
-            raise ValueError(
-                f"steps ({value}) must leave at least 2 points of the curve after skip_begin ({skip_begin}) and "
-                f"skip_end ({skip_end})"
+    @model_validator(mode="after")
+    def _consistent(self) -> LRFindConfig:
+        # on the final values, defaults included: `min_lr: 2.0` conflicts with the default max_lr 1.0 as surely
+        # as with one written in the file. The error names a field the user wrote (they can change it).
+        if self.max_lr <= self.min_lr:
+            field = "max_lr" if "max_lr" in self.model_fields_set else "min_lr"
+            raise FieldConflict(
+                field,
+                f"max_lr ({self._shown('max_lr')}) must be greater than min_lr ({self._shown('min_lr')})",
             )
-        return value
+        if self.steps < self.skip_begin + self.skip_end + 2:
+            skips = [f for f in ("skip_begin", "skip_end") if f in self.model_fields_set]
+            blamed = "steps" if "steps" in self.model_fields_set or not skips else max(skips, key=self._value)
+            raise FieldConflict(
+                blamed,
+                f"steps ({self._shown('steps')}) must leave at least 2 points of the curve after skip_begin "
+                f"({self._shown('skip_begin')}) and skip_end ({self._shown('skip_end')})",
+            )
+        return self
+
+    def _value(self, field: str) -> int:
+        return int(getattr(self, field))
+
+    def _shown(self, field: str) -> str:
+        value = getattr(self, field)
+        return f"{value}" if field in self.model_fields_set else f"{value}, the default"
 
     @field_validator("groups", mode="before")
     @classmethod

@@ -317,6 +317,99 @@ def test_step_scheduler_continues_from_the_new_rate(tmp_path: Path) -> None:
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(event.lr_after * 0.5**3)
 
 
+class Scheduled(FineTuneModel):
+    """SGD 0.05 on every parameter with the scheduler ``make(optimizer)`` stepped every step."""
+
+    def __init__(self, make: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.make = make
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": self.make(opt), "interval": "step"}}
+
+
+class StepRates(pl.Callback):
+    def __init__(self) -> None:
+        self.rates: list[float] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+def _scheduled_fit(tmp_path: Path, make: Any) -> tuple[ScheduledLRFinder, list[float]]:
+    finder = ScheduledLRFinder({"triggers": [{"kind": "fit_start"}], "lr_find": LR_FIND}, verbose=False)
+    rates = StepRates()
+    seed(7)
+    model = Scheduled(make, batch_size=64, n=512, head_only_optimizer=False)
+    _trainer(tmp_path, [finder, rates], epochs=2).fit(model)
+    return finder, rates.rates
+
+
+def test_warmup_warms_up_to_the_suggestion(tmp_path: Path) -> None:
+    """The suggestion is the rate the warmup reaches, not the rate of its first step (which would end at 10x)."""
+    finder, rates = _scheduled_fit(
+        tmp_path, lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=8)
+    )
+    assert finder.lr is not None
+    assert rates[0] == pytest.approx(0.1 * finder.lr)
+    assert rates[8:] == pytest.approx([finder.lr] * len(rates[8:]))
+    assert rates == sorted(rates)
+
+
+def test_one_cycle_peaks_at_the_suggestion(tmp_path: Path) -> None:
+    finder, rates = _scheduled_fit(
+        tmp_path, lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=16)
+    )
+    assert finder.lr is not None
+    assert finder.lr * 0.99 < max(rates) <= finder.lr  # the cycle's peak falls between two steps
+    assert rates[0] == pytest.approx(finder.lr / 25)  # OneCycleLR's div_factor, kept
+
+
+def test_explicit_groups_are_honoured_at_fit_start(tmp_path: Path) -> None:
+    """``groups: [1]`` at fit start tunes group 1 alone; group 0 keeps its configured (discriminative) rate."""
+
+    class TwoGroups(FineTuneModel):
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.SGD(
+                [{"params": self.head.parameters(), "lr": 0.05}, {"params": self.backbone.parameters(), "lr": 0.005}],
+                lr=0.05,
+            )
+
+    schedule = {"triggers": [{"kind": "fit_start"}], "lr_find": {**LR_FIND, "groups": [1]}}
+    finder = ScheduledLRFinder(schedule, verbose=False, write_report=False)
+    seed(7)
+    trainer = _trainer(tmp_path, [finder], epochs=1)
+    trainer.fit(TwoGroups(batch_size=64, n=512, head_only_optimizer=False))
+    (event,) = finder.history
+    assert event.groups == [1]
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [0.05, event.lr_after]
+
+
+def test_schedule_without_lr_find_says_which_defaults_it_uses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    finder = ScheduledLRFinder({"triggers": [{"kind": "epoch", "at": [5]}]}, write_report=False)
+    trainer = _trainer(tmp_path, [finder], epochs=1)
+    trainer.fit(_model(scheduler=None))
+    trainer.fit(_model(scheduler=None))  # a second fit: said once per callback
+    err = capsys.readouterr().err
+    notice = (
+        "[retune] the schedule has no lr_find section: the range tests use the defaults (min_lr 1e-07, max_lr 1.0, "
+        "mode exponential, skip_begin 10, skip_end 1, steps 100, early_stop_threshold 4.0, smoothing 0.98, "
+        "suggestion valley, groups new)"
+    )
+    assert err.count(notice) == 1
+
+
+def test_schedule_with_lr_find_says_nothing_about_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    finder = ScheduledLRFinder({"triggers": [{"kind": "epoch", "at": [5]}], "lr_find": {}}, write_report=False)
+    _trainer(tmp_path, [finder], epochs=1).fit(_model(scheduler=None))
+    assert "no lr_find section" not in capsys.readouterr().err
+
+
 # -- with the batch-size finder -----------------------------------------------------------------
 
 
@@ -413,6 +506,10 @@ def test_diverged_loss_is_written_as_null_and_read_back_as_nan(tmp_path: Path) -
         ({"setps": 10}, "lr_find.setps"),
         ({"early_stop_threshold": 1.0}, "lr_find.early_stop_threshold"),
         ({"smoothing": 1.0}, "lr_find.smoothing"),
+        # conflicts with a defaulted field: checked on the final values
+        ({"min_lr": 2.0}, "lr_find.min_lr"),
+        ({"skip_begin": 150}, "lr_find.skip_begin"),
+        ({"skip_begin": 0, "skip_end": 99}, "lr_find.skip_end"),
     ],
 )
 def test_bad_lr_find_config_names_the_field(lr_find: dict[str, Any], field: str) -> None:

@@ -136,6 +136,9 @@ def test_new_groups_are_added_or_unfrozen() -> None:
 
 def test_group_selection() -> None:
     assert select_groups("new", 3, [2], fit_start=True) == [0, 1, 2]
+    # an explicit list is honoured at fit start too: the other groups keep their discriminative rates
+    assert select_groups((1,), 3, [0, 1, 2], fit_start=True) == [1]
+    assert select_groups("all", 3, [], fit_start=True) == [0, 1, 2]
     assert select_groups("new", 3, [2], fit_start=False) == [2]
     assert select_groups("new", 3, [], fit_start=False) == [0, 1, 2]  # an epoch milestone: nothing new
     assert select_groups("all", 3, [2], fit_start=False) == [0, 1, 2]

@@ -107,6 +107,23 @@ CASES: list[Any] = [
         "a number budget is a fraction of device memory in (0, 1], got 40",
     ),
     ("stage_typo.yaml", "stages[1]", "Input should be 'train', 'val', 'test' or 'predict' (got 'valid')"),
+    # -- lr_find: cross-field rules checked on the final values, defaults included ---------------
+    (
+        "lr_find_min_lr_above_default_max.yaml",
+        "lr_find.min_lr",
+        "max_lr (1.0, the default) must be greater than min_lr (2.0)",
+    ),
+    (
+        "lr_find_skip_begin_above_default_steps.yaml",
+        "lr_find.skip_begin",
+        "steps (100, the default) must leave at least 2 points of the curve after skip_begin (150) and skip_end "
+        "(1, the default)",
+    ),
+    (
+        "lr_find_skips_leave_one_point.json",
+        "lr_find.skip_end",
+        "steps (100, the default) must leave at least 2 points of the curve after skip_begin (0) and skip_end (99)",
+    ),
     # a YAML mapping key that is a list (`[5, 10]` inside a flow mapping, `at:` forgotten)
     ("flow_mapping_missing_key.yaml", "", "line 5"),
 ]
