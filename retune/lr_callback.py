@@ -20,7 +20,7 @@ from retune import compat, lr_report, messages
 from retune.callback_io import load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.errors import RetuneError
 from retune.loading import ScheduleSource, load_schedule
-from retune.lr_apply import set_group_lr
+from retune.lr_apply import nominal_lr, set_group_lr
 from retune.lr_events import LRFindEvent
 from retune.lr_probe import run_range_test
 from retune.lr_range import GroupInfo, RangeTest, new_groups, select_groups, suggest, sweep_lrs
@@ -64,7 +64,8 @@ class ScheduledLRFinder(*_BASES):  # type: ignore[misc]
     trigger only the groups holding parameters that were added to the optimizer or unfrozen since the
     last epoch start; an explicit list of groups is honoured at fit start too. The suggestion becomes
     each group's nominal rate (what a warmup warms up to, where OneCycle peaks: :mod:`retune.lr_apply`).
-    A schedule without an ``lr_find`` section runs with the defaults and says so once. With a :class:`~retune.ScheduledBatchSizeFinder` firing at the same epoch start, the
+    A schedule without an ``lr_find`` section runs with the defaults and says so once. With a
+    :class:`~retune.ScheduledBatchSizeFinder` firing at the same epoch start, the
     batch size is searched first and the range test runs at the new size, whatever the callback order.
     """
 
@@ -198,7 +199,8 @@ class ScheduledLRFinder(*_BASES):  # type: ignore[misc]
             return
         lrs = sweep_lrs(config.min_lr, config.max_lr, config.steps, config.mode)
         test = RangeTest(lrs, beta=config.smoothing, threshold=config.early_stop_threshold)
-        before = [float(optimizer.param_groups[i]["lr"]) for i in chosen]
+        holders = compat.lr_holders(trainer)
+        before = [nominal_lr(optimizer, i, holders) for i in chosen]  # like with like: lr_after is nominal too
         self._say(
             f"epoch {epoch}: {firing.label} fired, learning-rate range test on param groups {chosen} "
             f"({config.mode} {config.min_lr:.3g} -> {config.max_lr:.3g}, up to {config.steps} steps)"
@@ -232,7 +234,7 @@ class ScheduledLRFinder(*_BASES):  # type: ignore[misc]
                 warn=True,
             )
         else:
-            set_group_lr(optimizer, chosen, found.lr, compat.lr_holders(trainer))
+            set_group_lr(optimizer, chosen, found.lr, holders)
         event = LRFindEvent(
             epoch=epoch,
             global_step=trainer.global_step,

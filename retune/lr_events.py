@@ -23,7 +23,8 @@ class LRFindEvent:
     groups: list[int]
     """Indices of the optimizer's param groups the test swept and set."""
     lrs_before: list[float]
-    """Each chosen group's rate before the test, in the order of ``groups``."""
+    """Each chosen group's nominal rate before the test (the configured rate a warmup or OneCycle works from,
+    as ``lr_after`` is; see :func:`retune.lr_apply.nominal_lr`), in the order of ``groups``."""
     lr_after: float | None
     method: str
     suggestion_index: int | None = None

@@ -352,6 +352,7 @@ def test_warmup_warms_up_to_the_suggestion(tmp_path: Path) -> None:
         tmp_path, lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=8)
     )
     assert finder.lr is not None
+    assert finder.history[0].lrs_before == [0.05]  # the configured rate, not the warmup's first 0.005
     assert rates[0] == pytest.approx(0.1 * finder.lr)
     assert rates[8:] == pytest.approx([finder.lr] * len(rates[8:]))
     assert rates == sorted(rates)
