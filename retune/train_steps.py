@@ -180,13 +180,12 @@ def _combine(
         out = torch.stack(values).amin(0)
     elif meta.is_mean_reduction:
         w = [weights[i] for _, _, i in entries]
-        if add:
-            out = sum((wi * v for wi, v in zip(w, values, strict=True)), torch.zeros_like(values[0]))
-        else:
-            if sum(w) <= 0:  # no counted items anywhere: by samples
-                w = [float(samples[i] or 0) for _, _, i in entries]
-            total = sum(w) or 1.0
-            out = sum((wi / total * v for wi, v in zip(w, values, strict=True)), torch.zeros_like(values[0]))
+        if not add and sum(w) <= 0:  # no counted items anywhere: by samples
+            w = [float(samples[i] or 0) for _, _, i in entries]
+        total = 1.0 if add else (sum(w) or 1.0)
+        # a piece with weight 0 (no counted items: its token mean is 0/0 = NaN) is left out, not multiplied by 0
+        kept = [(wi / total, v) for wi, v in zip(w, values, strict=True) if wi != 0.0]
+        out = sum((wi * v for wi, v in kept), torch.zeros_like(values[0]))
     else:
         out = values[-1]
     dtype = entries[-1][0].dtype
