@@ -151,45 +151,56 @@ class EvalStepRecovery:
 
 
 class FinishedGradients:
-    """Which parameters received their gradient in the backward pass that is running now.
+    """Which parameters received their gradient in a backward pass that ran out of memory.
 
-    One post-accumulate-grad hook per trainable parameter; the per-step cost is a set insertion per
-    parameter during backward and a ``clear()`` per step. A frozen parameter cannot carry a hook, so
-    :meth:`rearm` hooks the ones unfrozen since; whether any were is a check of the parameters that
-    were frozen at the last rearm (none at all for a model trained whole), not a walk of the module.
+    Autograd accumulates a parameter's gradient once, when all of it is known. Nothing is noted on a
+    step that starts an accumulation window (every step, without accumulation): its ``zero_grad``
+    has just set the gradients to None (torch's default) or to zeros, so after a failed backward the
+    parameters holding a gradient that is not None and not all zeros are the finished ones (a
+    finished gradient that is exactly zero is recomputed as zero: no harm). Inside a window the
+    gradients hold the earlier batches' sums, so :meth:`take` notes each gradient tensor and its
+    version counter right before backward (no copy, no hook) and :meth:`collect` compares. The
+    trainable parameters of that note are listed at :meth:`rearm` (each epoch start); one unfrozen
+    since is judged by the first rule.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         self.ids: set[int] = set()
-        self._params: list[torch.nn.Parameter] = []
-        self._handles: list[Any] = []
-        self.frozen: list[torch.nn.Parameter] = []
+        self.trainable: list[torch.nn.Parameter] = []
+        self._before: list[tuple[torch.Tensor | None, int]] | None = None
         self.rearm(params)
 
-    def _record(self, param: torch.Tensor) -> None:
-        self.ids.add(id(param))
-
     def rearm(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Hook parameters that became trainable since (an unfreeze); remember the frozen ones."""
-        known = {id(p) for p in self._params}
-        self.frozen = []
-        for p in params:
-            if not p.requires_grad:
-                self.frozen.append(p)
-            elif id(p) not in known:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._record))  # type: ignore[no-untyped-call]
-                self._params.append(p)
+        """List the trainable parameters again (an unfreeze)."""
+        self.trainable = [p for p in params if p.requires_grad]
 
-    def unfrozen_since(self) -> bool:
-        """True when a parameter frozen at the last :meth:`rearm` is trainable now (it has no hook yet)."""
-        return any(p.requires_grad for p in self.frozen)
+    def take(self) -> None:
+        self._before = [(g, g._version) if (g := p.grad) is not None else (None, 0) for p in self.trainable]
+
+    def forget(self) -> None:
+        self._before = None
+
+    def collect(self, params: Sequence[torch.nn.Parameter], noted_now: bool) -> None:
+        """``ids``: the parameters among ``params`` that received their gradient since the step's ``zero_grad``
+        (or, ``noted_now``, since this step's :meth:`take`)."""
+        noted: dict[int, tuple[torch.Tensor | None, int]] = {}
+        if noted_now and self._before is not None:
+            noted = {id(p): before for p, before in zip(self.trainable, self._before, strict=True)}
+        self.ids = set()
+        for p in params:
+            g = p.grad
+            before = noted.get(id(p))
+            if before is not None:
+                changed = g is not before[0] or (g is not None and g._version != before[1])
+            else:
+                changed = g is not None and bool(g.detach().any())
+            if changed:
+                self.ids.add(id(p))
+        self._before = None
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._params.clear()
-        self.frozen.clear()
+        self.trainable, self._before = [], None
+        self.ids.clear()
 
 
 @dataclass(frozen=True)
@@ -297,7 +308,7 @@ class TrainStepRecovery:
         self.max_size: int | None = None
         self.pieces = 1
         self.finished = FinishedGradients(params())
-        self.stats = RunningStats(module) if module is not None else None
+        self.stats = _running_stats(module)
         self._first_batch = True
 
     def close(self) -> None:
@@ -307,13 +318,11 @@ class TrainStepRecovery:
         """Whole batches again (the search has just applied a size), and the model's layers as they are now."""
         self.max_size, self.pieces = None, 1
         self.finished.rearm(self._params())
-        self.stats = RunningStats(self.module) if self.module is not None else None
+        self.stats = _running_stats(self.module)
 
     def run(self, step: StepParts) -> Any:
         """The closure's body: forward, zero_grad, backward; on an OOM, the same batch in micro-batches."""
         finished = self.finished
-        if finished.frozen and finished.unfrozen_since():
-            finished.rearm(self._params())  # a layer unfrozen since the epoch start gets its hook
         if self._first_batch:
             self._first_batch = False
             self.check_batch(step.batch)
@@ -321,11 +330,10 @@ class TrainStepRecovery:
             kept = self._kept_split(step.batch)
             if kept is not None:
                 return self._in_pieces(step, kept, forward_done=False, zero_done=False, failed_in="")
-        finished.ids.clear()
         stats = self.stats
-        if stats:
+        if stats is not None:
             stats.save()
-        forward_done = zero_done = False
+        forward_done = zero_done = backward_started = False
         rollback_logs, stop_journal = step.journal_logs() if step.journal_logs is not None else (_none, _none)
         try:
             result = step.forward(step.batch)
@@ -336,6 +344,9 @@ class TrainStepRecovery:
             zero_done = True
             loss = step.loss_of(result)
             if step.backward is not None and loss is not None:
+                if step.zero_grad is None:
+                    finished.take()  # inside an accumulation window: note the gradients of the earlier batches
+                backward_started = True
                 step.backward(loss)
             return result
         except BaseException as exc:
@@ -348,9 +359,14 @@ class TrainStepRecovery:
                 raise
         # outside the except block: the exception and the frames holding the failed step's tensors are gone
         result = loss = None
+        if backward_started:
+            finished.collect([p for p in self._params() if p.requires_grad], noted_now=step.zero_grad is None)
+        else:
+            finished.ids.clear()
+            finished.forget()
         if not forward_done:
             rollback_logs()  # what the failed forward logged before it ran out of memory
-            if stats:
+            if stats is not None:
                 stats.restore()  # and its BatchNorm updates: the micro-batches update them instead
         free_accelerator_memory()
         failed_in = (site if site not in (None, "training_step", "backward") else None) or (
@@ -441,7 +457,7 @@ class TrainStepRecovery:
         done = [p for p in params if id(p) in self.finished.ids] if forward_done else []
         pending = [p for p in params if id(p) not in self.finished.ids] if forward_done else params
         aside = _GradientsAside(pending)
-        stats = self.stats if self.stats else None
+        stats = self.stats
         if stats is not None:
             # before the step (a failed forward's updates are already taken back), or after the whole batch's
             # forward, which updated them as the run with memory did: each round of micro-batches starts there
@@ -621,6 +637,12 @@ def _samples_or_none(micro: Any) -> int | None:
         return _samples(micro)
     except TypeError:
         return None
+
+
+def _running_stats(module: torch.nn.Module | None) -> RunningStats | None:
+    """The module's BatchNorm statistics to guard, or None when it has none (nothing to copy per step)."""
+    stats = RunningStats(module) if module is not None else None
+    return stats if stats else None
 
 
 def _warn(message: str) -> None:

@@ -257,31 +257,41 @@ def install_closure_runner(trainer: Any, run: Callable[[StepParts], Any]) -> Cal
     precision plugin's gradient clipping and grad scaler, progress counters) stays Lightning's.
     Patched on the loop instance only, so nothing outside this trainer changes.
     """
-    import functools
-
     loop = compat._automatic_loop(trainer)
     original = loop._make_closure
     logs = StepLogs(trainer)
-    shared = {
-        "loss_of": lambda result: result.closure_loss,
-        "with_loss": lambda result, loss: dataclasses.replace(result, closure_loss=loss),
-        "logs": logs,
-        "join": _join_results,
-        "save_logs": lambda: compat.save_logged_metrics(trainer),
-        "journal_logs": logs.begin,
-        "where": lambda: f"epoch {trainer.current_epoch}, global step {trainer.global_step}",
-    }
+    # one StepParts for the run, its per-step fields rewritten by each closure (closures run one at a time)
+    parts = StepParts(
+        None,
+        lambda batch: None,
+        None,
+        None,
+        loss_of=lambda result: result.closure_loss,
+        with_loss=lambda result, loss: dataclasses.replace(result, closure_loss=loss),
+        logs=logs,
+        join=_join_results,
+        save_logs=lambda: compat.save_logged_metrics(trainer),
+        journal_logs=logs.begin,
+        where=lambda: f"epoch {trainer.current_epoch}, global step {trainer.global_step}",
+    )
+
+    step_kwargs: list[Any] = [None]
+
+    def forward(batch: Any) -> Any:
+        return _forward(loop, step_kwargs[0], batch)
+
+    def body(*args: Any, **kw: Any) -> Any:
+        return run(parts)
+
+    parts.forward = forward
 
     def make_closure(kwargs: Any, optimizer: Any, *rest: Any) -> Any:
         closure = original(kwargs, optimizer, *rest)
-        parts = StepParts(
-            kwargs["batch"],
-            functools.partial(_forward, loop, kwargs),
-            closure._zero_grad_fn,
-            closure._backward_fn,
-            **shared,  # type: ignore[arg-type]
-        )
-        closure.closure = lambda *args, **kw: run(parts)
+        step_kwargs[0] = kwargs
+        parts.batch = kwargs["batch"]
+        parts.zero_grad = closure._zero_grad_fn
+        parts.backward = closure._backward_fn
+        closure.closure = body
         return closure
 
     loop._make_closure = make_closure
