@@ -105,8 +105,11 @@ def build_model(task: str) -> nn.Module:
 
 
 class TokenTask(pl.LightningModule):  # type: ignore[misc,name-defined]
-    def __init__(self, task: str, capacity: int | None = None, where: str = "forward", batch_size: int = 8) -> None:
+    def __init__(
+        self, task: str, capacity: int | None = None, where: str = "forward", batch_size: int = 8, sync_dist: bool = False
+    ) -> None:
         super().__init__()
+        self.sync_dist = sync_dist
         self.task = task
         self.capacity = capacity
         self.where = where
@@ -129,7 +132,7 @@ class TokenTask(pl.LightningModule):  # type: ignore[misc,name-defined]
         out = self.model(**inputs)
         if self.where == "backward" and too_big:
             out["loss"] = FailInBackward.apply(out["loss"], True)
-        self.log("train_loss", out["loss"], on_step=True, on_epoch=True, prog_bar=True)
+        self.log("train_loss", out["loss"], on_step=True, on_epoch=True, prog_bar=True, sync_dist=self.sync_dist)
         if not too_big:
             self.trained.update(batch["index"].tolist())
         return out  # a ModelOutput for the HF tasks, a dict for torch
