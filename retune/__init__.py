@@ -7,6 +7,7 @@
 from retune.errors import RetuneError, ScheduleError
 from retune.events import RetuneEvent, Trial
 from retune.loading import load_schedule
+from retune.messages import RetuneWarning
 from retune.schedule import RetuneSchedule
 from retune.triggers import TrainingView, Trigger
 
@@ -16,8 +17,10 @@ __all__ = [
     "RetuneError",
     "RetuneEvent",
     "RetuneSchedule",
+    "RetuneWarning",
     "ScheduleError",
     "ScheduledBatchSizeFinder",
+    "ScheduledLRFinder",
     "TrainingView",
     "Trial",
     "Trigger",
@@ -34,6 +37,10 @@ def __getattr__(name: str) -> object:
         from retune.callback import ScheduledBatchSizeFinder
 
         return ScheduledBatchSizeFinder
+    if name == "ScheduledLRFinder":
+        from retune.lr_callback import ScheduledLRFinder
+
+        return ScheduledLRFinder
     if name == "is_oom_error":
         from retune.oom import is_oom_error
 

@@ -20,7 +20,6 @@ so any rank can meet the longest sample, and no rank needs to communicate to agr
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
@@ -34,15 +33,10 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from retune import messages
 from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.samples import SizeCache, SizeFn, default_sample_size, preserved_rng, resolve_size_fn, size_spread
 from retune.schedule import RetuneSchedule
-
-log = logging.getLogger("retune")
-
-
-def _log(message: str, warn: bool = False) -> None:
-    log.log(logging.WARNING if warn else logging.INFO, message)
 
 
 class _FixedOrder(Sampler[int]):
@@ -131,7 +125,7 @@ class ProbeBatches:
         self.mode = mode
         self.size_fn: SizeFn = sample_size or default_sample_size
         self.scan_limit = scan_limit
-        self.say = say or _log
+        self.say = say or messages.say
         """``say(message, warn=False)``: the callback's rank-zero printer (a bound method, so that the
         callback still pickles for ``ddp_spawn``)."""
         self.cache = SizeCache()

@@ -28,7 +28,6 @@ What a recovered step guarantees:
 from __future__ import annotations
 
 import gc
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from retune import messages
 from retune.errors import RetuneError
 from retune.loss_items import ItemsFn, count_items, resolve_items_fn, token_labels_hint
 from retune.oom import is_oom_error
@@ -616,11 +616,10 @@ def _weights(micro: Sequence[Any], reduction: LossReduction, items_fn: ItemsFn |
         return [c / items if items else 0.0 for c in counts]
     sizes = [_samples(m) for m in micro]
     if any(n is None for n in sizes):
-        warnings.warn(
+        messages.warn(
             "retune cannot tell how many samples the micro-batches from split_batch hold (no tensors with a "
             "batch dimension, no len()); their losses are weighted equally, which equals the whole batch's "
-            "update only when the pieces are equal. Give the micro-batch type a __len__.",
-            stacklevel=2,
+            "update only when the pieces are equal. Give the micro-batch type a __len__."
         )
         return [1.0 / len(micro)] * len(micro)
     total = sum(n or 0 for n in sizes) or 1
@@ -646,7 +645,7 @@ def _running_stats(module: torch.nn.Module | None) -> RunningStats | None:
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
+    messages.warn(message)
 
 
 class _GradientsAside:

@@ -12,7 +12,6 @@ import copy
 import csv
 import functools
 import importlib
-import logging
 import math
 import re
 import signal
@@ -32,6 +31,7 @@ import retune
 from retune import RetuneError, RetuneEvent
 from tests.lightning_ns import LEGACY, callbacks, pl
 from tests.oracle import MemoryOracle, make_data
+from tests.retune_warnings import retune_warnings
 
 ScheduledBatchSizeFinder = retune.ScheduledBatchSizeFinder
 
@@ -385,14 +385,13 @@ def test_dataloader_passed_to_fit_is_refused_at_setup() -> None:
     assert model.seen == []
 
 
-def test_fast_dev_run_skips_the_search_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_fast_dev_run_skips_the_search_with_a_warning() -> None:
     model = C.AttrModel()
     finder = ScheduledBatchSizeFinder(schedule("fit_start"), verbose=False)
     trainer = make_trainer(finder, fast_dev_run=True)
-    with caplog.at_level(logging.WARNING, logger="retune"):
+    with retune_warnings() as said:
         trainer.fit(model)
-    warnings = [r for r in caplog.records if r.name == "retune" and r.levelno == logging.WARNING]
-    assert any("fast_dev_run" in r.getMessage() for r in warnings), caplog.records
+    assert any("fast_dev_run" in message for message in said), said
     assert trainer.state.finished
     assert finder.history == [] and finder.batch_size is None
     assert model.batch_size == START and model.seen == [(0, START)]
