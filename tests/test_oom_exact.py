@@ -279,3 +279,12 @@ def test_a_packed_single_sample_batch_is_named_as_such() -> None:
     finder = ScheduledBatchSizeFinder({"triggers": [{"kind": "oom"}]}, verbose=False, write_report=False)
     with pytest.raises(RetuneError, match=r"batch of one sample along its first dimension.*packed"):
         _trainer(finder, max_epochs=1).fit(Packed(capacity=20))
+
+
+def test_token_mean_and_loss_items_are_in_the_json_schema() -> None:
+    import json
+
+    from retune import RetuneSchedule
+
+    text = json.dumps(RetuneSchedule.model_json_schema())
+    assert '"token_mean"' in text and '"loss_items"' in text and "shifted_labels" in text
