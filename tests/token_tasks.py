@@ -106,7 +106,12 @@ def build_model(task: str) -> nn.Module:
 
 class TokenTask(pl.LightningModule):  # type: ignore[misc,name-defined]
     def __init__(
-        self, task: str, capacity: int | None = None, where: str = "forward", batch_size: int = 8, sync_dist: bool = False
+        self,
+        task: str,
+        capacity: int | None = None,
+        where: str = "forward",
+        batch_size: int = 8,
+        sync_dist: bool = False,
     ) -> None:
         super().__init__()
         self.sync_dist = sync_dist
