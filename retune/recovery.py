@@ -8,21 +8,26 @@ logic below is free of Lightning.
 
 What a recovered step guarantees:
 
-* **the same update.** Micro-batch ``i`` of ``n_i`` samples has its loss weighted by ``n_i / N``
-  (a loss that is a mean over the batch; ``loss_reduction: sum`` weights by 1), and gradients
-  accumulate inside the one optimizer step, so the update equals the whole batch's up to float
-  rounding.
-* **no trace of the failed attempt.** An OOM in forward has produced no gradient. An OOM in
-  backward leaves some parameters holding this batch's complete gradient (autograd accumulates a
-  parameter's gradient once, when all of it is known) and the rest untouched: a
-  post-accumulate-grad hook records which, those keep what they got, and only the others are
-  computed again, with the finished ones frozen (no second contribution, no memory for their
-  gradients). Gradients already accumulated from earlier batches of an accumulation window are set
-  aside while micro-batches run (moved to host memory when they live on an accelerator) and added
-  back after, so a micro-batch that runs out of memory too can be dropped whole.
-* **every sample once.** A micro-batch that runs out of memory doubles the number of pieces and
-  trains the whole batch again from the set-aside state; a batch of one sample that does not fit
-  raises :class:`~retune.errors.RetuneError` with the gradients as they were before the step.
+* **the same update.** Micro-batch ``i`` has its loss weighted by its share of the batch: of the
+  samples (``loss_reduction: mean``), of the items a token-mean loss averages over
+  (``token_mean``, :mod:`retune.loss_items`), or 1 (``sum``); gradients accumulate inside the one
+  optimizer step, so the update equals the whole batch's up to float rounding. The step's outputs
+  and logged values are the whole batch's too (:class:`StepParts` ``join`` and ``logs``).
+* **no trace of the failed attempt.** An OOM in forward has produced no gradient; what it logged
+  and the BatchNorm statistics it updated are taken back. An OOM in backward leaves some
+  parameters holding this batch's complete gradient (autograd accumulates a parameter's gradient
+  once, when all of it is known) and the rest untouched: :class:`FinishedGradients` finds which
+  after the failure, those keep what they got, and only the others are computed again, with the
+  finished ones frozen (no second contribution, no memory for their gradients). Gradients already
+  accumulated from earlier batches of an accumulation window are set aside while micro-batches run
+  (moved to host memory when they live on an accelerator) and added back after, so a micro-batch
+  that runs out of memory too can be dropped whole.
+* **every sample once.** A round of micro-batches that runs out of memory halves the largest
+  micro-batch size and trains the whole batch again from the set-aside state; a batch whose
+  pieces cannot shrink further (one sample; two for BatchNorm models) raises
+  :class:`~retune.errors.RetuneError` with the gradients as they were before the step.
+* **only the splittable sites.** An OOM is located by the hook it came from
+  (:mod:`retune.oom_sites`); one raised where a smaller batch would not help is re-raised with a note.
 """
 
 from __future__ import annotations

@@ -196,3 +196,27 @@ def test_eval_step_joins_outputs_and_reports() -> None:
         EvalStepRecovery(lambda b: (_ for _ in ()).throw(ValueError("not an OOM")), lambda b: contextlib.nullcontext())(
             torch.zeros(2)
         )
+
+
+def test_a_recovered_steps_logged_values_combine_as_the_whole_batch() -> None:
+    """``retune.train_steps``: each key once per step, weighted like the loss, with the whole batch's size."""
+    from types import SimpleNamespace
+
+    from retune.train_steps import _batch_size, _combine
+
+    def meta(kind: str) -> Any:
+        kinds = ("mean", "sum", "max", "min")
+        return SimpleNamespace(**{f"is_{k}_reduction": k == kind for k in kinds})
+
+    entries = [(torch.tensor(1.0), 3, 0), (torch.tensor(4.0), 1, 1)]
+    assert _combine(meta("mean"), entries, [0.25, 0.75], [3, 1], add=False).item() == pytest.approx(3.25)
+    assert _combine(meta("mean"), entries, [1.0, 1.0], [3, 1], add=True).item() == pytest.approx(5.0)
+    assert _combine(meta("sum"), entries, [0.25, 0.75], [3, 1], add=False).item() == 5.0
+    assert _combine(meta("max"), entries, [0.25, 0.75], [3, 1], add=False).item() == 4.0
+    # a piece without counted items (its token mean is NaN) is left out; none anywhere: by samples
+    nan = [(torch.tensor(float("nan")), 3, 0), (torch.tensor(4.0), 1, 1)]
+    assert _combine(meta("mean"), nan, [0.0, 1.0], [3, 1], add=False).item() == 4.0
+    assert _combine(meta("mean"), entries, [0.0, 0.0], [3, 1], add=False).item() == pytest.approx(1.75)
+    # the batch size: the pieces' own sizes add up; a fixed batch_size=self.batch_size stays what it was
+    assert _batch_size([(None, 3, 0), (None, 1, 1)], [3, 1]) == 4
+    assert _batch_size([(None, 16, 0), (None, 16, 1)], [8, 8]) == 16
