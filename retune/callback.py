@@ -97,6 +97,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._undo: list[Callable[[], None]] = []
         self._eval_undo: Callable[[], None] | None = None  # no lambda: ddp_spawn pickles the callback
         self._resumed_split: tuple[int | None, int] = (None, 1)
+        self._split_resumed = False
         self.verbose = verbose
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.write_report = write_report
@@ -180,7 +181,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         if self._disabled:
             return
         if self._train_recovery is not None:
-            self._train_recovery.new_epoch()  # each epoch starts whole, at the size the search picks now
+            # each epoch starts whole, at the size the search picks now; a run resumed mid-epoch keeps its split
+            self._train_recovery.new_epoch(keep_split=self._split_resumed)
+            self._split_resumed = False
         if self._oom is not None and compat.is_distributed(trainer):
             # a rank that ran out of memory tells the others, so rank zero's trigger decision includes it
             for known in compat.all_gather_object(trainer, self._oom.consume()):
@@ -215,6 +218,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             warn=lambda message: self._say(message, warn=True),
         )
         (recovery.max_size, recovery.pieces), self._resumed_split = self._resumed_split, (None, 1)
+        self._split_resumed = recovery.max_size is not None or recovery.pieces > 1
         self._train_recovery = recovery
         run: Callable[[Any], Any] = recovery.run
         if compat.is_distributed(trainer):

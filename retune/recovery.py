@@ -319,9 +319,12 @@ class TrainStepRecovery:
     def close(self) -> None:
         self.finished.remove()
 
-    def new_epoch(self) -> None:
-        """Whole batches again (the search has just applied a size), and the model's layers as they are now."""
-        self.max_size, self.pieces = None, 1
+    def new_epoch(self, keep_split: bool = False) -> None:
+        """Whole batches again (the search has just applied a size), and the model's layers as they are now.
+
+        ``keep_split``: the epoch start of a run resumed mid-epoch from a checkpoint with a kept split."""
+        if not keep_split:
+            self.max_size, self.pieces = None, 1
         self.finished.rearm(self._params())
         self.stats = _running_stats(self.module)
 
