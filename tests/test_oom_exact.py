@@ -27,6 +27,7 @@ from tests.token_tasks import TokenTask
 HAS_HF = importlib.util.find_spec("transformers") is not None
 TASKS = [
     pytest.param("torch", "labels", id="torch-tagger"),
+    pytest.param("torch", "tests.token_tasks.labelled_tokens", id="torch-tagger-own-count"),
     pytest.param("token", "labels", id="hf-token-classification", marks=pytest.mark.skipif(not HAS_HF, reason="hf")),
     pytest.param("mlm", "labels", id="hf-masked-lm", marks=pytest.mark.skipif(not HAS_HF, reason="hf")),
     pytest.param("causal", "shifted_labels", id="hf-causal-lm", marks=pytest.mark.skipif(not HAS_HF, reason="hf")),
@@ -140,6 +141,7 @@ def test_a_batch_with_no_counted_items_does_not_divide_by_zero() -> None:
     assert _weights(pieces, "token_mean") == [0.0, 0.0]
     pieces[1]["labels"][0, 0] = 1
     assert _weights(pieces, "token_mean") == [0.0, 1.0]
+    assert _weights(pieces, "token_mean", items_fn=lambda b: len(b["labels"])) == pytest.approx([2 / 3, 1 / 3])
 
 
 def test_loss_items_path_errors_name_the_field() -> None:
@@ -219,16 +221,17 @@ def _hook_model(hook: str) -> TokenModel:
     return HookOOM(capacity=None)
 
 
-def test_an_oom_in_on_before_backward_is_recovered_exactly() -> None:
+@pytest.mark.parametrize("hook", ["on_before_backward", "on_before_zero_grad"])
+def test_an_oom_in_a_hook_before_backward_is_recovered_exactly(hook: str) -> None:
     seed(0)
     base = TokenModel(capacity=None)
     _trainer(max_epochs=1).fit(base)
     seed(0)
-    model = _hook_model("on_before_backward")
+    model = _hook_model(hook)
     finder = ScheduledBatchSizeFinder({"triggers": [{"kind": "oom"}]}, verbose=False, write_report=False)
     trainer = _trainer(finder, max_epochs=1)
     trainer.fit(model)
-    assert [e.note.split(" on ")[0] for e in finder.history if e.is_recovery] == ["out of memory in on_before_backward"]
+    assert [e.note.split(" on a ")[0] for e in finder.history if e.is_recovery] == [f"out of memory in {hook}"]
     assert _max_diff(base, model) < 1e-5
 
 

@@ -48,6 +48,11 @@ def token_samples(task: str, n: int = 30, seed: int = 0) -> list[dict[str, Any]]
     return samples
 
 
+def labelled_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """A user's own count for ``loss_items`` (given by dotted path in a test): the labelled tokens."""
+    return int((batch["labels"] != -100).sum())
+
+
 def collate(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     longest = max(len(s["ids"]) for s in samples)
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
