@@ -281,7 +281,10 @@ def install_closure_runner(trainer: Any, run: Callable[[StepParts], Any]) -> Cal
         return _forward(loop, step_kwargs[0], batch)
 
     def body(*args: Any, **kw: Any) -> Any:
-        return run(parts)
+        try:
+            return run(parts)
+        finally:  # hold neither the batch nor Lightning's step functions past the step
+            parts.batch = parts.zero_grad = parts.backward = step_kwargs[0] = None
 
     parts.forward = forward
 

@@ -143,7 +143,7 @@ def test_a_mid_epoch_checkpoint_keeps_the_split(tmp_path: Any) -> None:
     resumed.load_state_dict(saved)
     assert resumed._resumed_split == (saved["oom_max_size"], 1)
     if LEGACY:
-        return  # pytorch-lightning 1.9 loads checkpoints with torch.load's weights_only default, which torch 2.6+ refuses
+        return  # pytorch-lightning 1.9 loads checkpoints with torch.load's weights_only default: torch 2.6+ refuses
     # resumed mid-epoch, the epoch goes on with the kept split: no whole-batch attempt runs out of memory first
     seed(0)
     model = TokenModel(capacity=300)
