@@ -41,21 +41,35 @@ def step_args(
 ) -> tuple[Any, ...]:
     """The positional arguments Lightning passes to ``stage``'s step for this batch.
 
-    Training (both lines): ``batch``, then ``batch_idx`` when the step takes it. Evaluation: ``batch``,
+    Training (both lines): ``batch``, then ``batch_idx`` when the step takes it (1.9 with truncated
+    BPTT: the batch's first split, ``batch_idx`` as before, and ``hiddens=None``). Evaluation: ``batch``,
     ``batch_idx`` (on 2.x only when the step takes it; 1.9 always passes it), then ``dataloader_idx``
     unless it is None (the loop passes it only when the stage runs several loaders in sequence).
     """
     step = getattr(pl_module, STEP_HOOKS[stage])
     args: list[Any] = [batch]
     if stage == "train":
+        tbptt_steps = _tbptt_steps(trainer, pl_module)
+        if tbptt_steps:
+            args[0] = pl_module.tbptt_split_batch(batch, tbptt_steps)[0]
         if _takes(trainer, step, "batch_idx", min_args=2):
             args.append(batch_idx)
+        if tbptt_steps:
+            args.append(None)  # hiddens: none yet at a batch's first split
         return tuple(args)
     if compat.is_legacy(trainer) or _takes(trainer, step, "batch_idx", min_args=2):
         args.append(batch_idx)
     if dataloader_idx is not None:
         args.append(dataloader_idx)
     return tuple(args)
+
+
+def _tbptt_steps(trainer: Any, pl_module: Any) -> int:
+    """1.9's truncated backpropagation through time: the loop runs ``training_step(split, batch_idx, hiddens)``
+    on each ``tbptt_split_batch`` split in turn, so a probe step is the first split, as the loop's first step."""
+    if not compat.is_legacy(trainer):
+        return 0
+    return int(getattr(pl_module, "truncated_bptt_steps", 0) or 0)
 
 
 def call_step(

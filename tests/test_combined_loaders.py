@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from retune import ScheduledBatchSizeFinder
 from retune.combined_loaders import dataset_length, leaf_loaders
 from tests.lightning_ns import LEGACY, NAMESPACE, pl, seed
+from tests.retune_warnings import retune_warnings
 
 CAPACITY = 40  # samples one step can hold, over all parts of a combined batch
 SEARCH = {"mode": "binsearch", "margin": 0.0, "steps_per_trial": 2, "init_val": 2, "max_val": 8192}
@@ -206,3 +207,44 @@ def test_nested_eval_loaders_are_capped_by_their_largest_dataset() -> None:
     trials = finder.history[0].trials
     assert max(t.batch_size for t in trials) == 30, trials
     assert {idx for idx, _ in model.seen} == {0, 1, 2}  # every loader probed and validated, in turn
+
+
+@pytest.mark.skipif(LEGACY, reason="1.9's CombinedLoader keeps its loaders wrapped; it probes the first batches")
+def test_probe_samples_largest_picks_each_combined_loaders_largest_samples() -> None:
+    """``probe_samples: largest`` reorders every loader inside the user's CombinedLoader (a copy of it)."""
+
+    class Indexed(Combined):
+        def __init__(self) -> None:
+            super().__init__("max_size_cycle", capacity=10**9)
+            for data in self.sets:
+                data.tensors[0][:, 0] = torch.arange(len(data), dtype=torch.float32)  # feature 0: the index
+            self.firsts: list[dict[str, list[int]]] = []
+
+        def training_step(self, batch: Any) -> torch.Tensor:
+            self.firsts.append({key: batch[key][0][:, 0].int().tolist() for key in ("small", "large")})
+            return super().training_step(batch)
+
+    seed(0)
+    model = Indexed()
+    finder = ScheduledBatchSizeFinder(
+        {
+            "search": {**SEARCH, "max_val": 4, "steps_per_trial": 1, "probe_samples": "largest"},
+            "triggers": [{"kind": "fit_start"}],
+        },
+        verbose=False,
+        write_report=False,
+        sample_size=lambda sample: int(sample[0][0]),  # a sample's size is its index: the last ones are largest
+    )
+    with retune_warnings() as said:
+        pl.Trainer(
+            max_epochs=1,
+            limit_train_batches=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[finder],
+        ).fit(model)
+    assert not [m for m in said if "cannot pick" in m], said
+    assert model.firsts[0] == {"small": [47, 46], "large": [199, 198]}  # the trial at size 2
+    assert model.firsts[-1] == {"small": [0, 1, 2, 3], "large": [0, 1, 2, 3]}  # the real step: the hook's order

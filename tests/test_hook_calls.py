@@ -304,3 +304,34 @@ def test_a_dataloader_iter_step_is_refused_with_the_way_out() -> None:
     with pytest.raises(RetuneError, match=r"IterStep.training_step takes `dataloader_iter`.*remove 'train'"):
         check_probeable(pl.Trainer(logger=False), IterStep(), "train")
     check_probeable(pl.Trainer(logger=False), Steps(), "train")  # a batch step passes
+
+
+@pytest.mark.skipif(not LEGACY, reason="truncated BPTT was removed in Lightning 2.0")
+def test_truncated_bptt_probes_the_first_split_with_hiddens() -> None:
+    """1.9 runs ``training_step(split, batch_idx, hiddens)`` on each time split; the probe runs the first."""
+
+    class Sequence(Steps):
+        def __init__(self) -> None:
+            super().__init__()
+            self.truncated_bptt_steps = 2
+            g = torch.Generator().manual_seed(0)
+            self.data = TensorDataset(torch.randn(N, 6, 4, generator=g), torch.randn(N, 6, 1, generator=g))
+            self.hiddens: list[Any] = []
+            self.lengths: list[int] = []
+
+        def training_step(self, batch: Any, batch_idx: int, hiddens: Any) -> Any:  # type: ignore[override]
+            self.hiddens.append(hiddens)
+            self.lengths.append(int(batch[0].shape[1]))
+            x, y = batch
+            if x.shape[0] > self.capacity:
+                raise torch.OutOfMemoryError("CUDA out of memory (test oracle)")
+            return {"loss": F.mse_loss(self.net(x), y), "hiddens": torch.zeros(1)}
+
+    seed(0)
+    model = Sequence()
+    finder = ScheduledBatchSizeFinder({"search": SEARCH, "triggers": [{"kind": "fit_start"}]}, verbose=False)
+    _trainer(finder).fit(model)
+    assert finder.batch_size == CAPACITY
+    trials = len(finder.history[0].trials)
+    assert model.lengths[:trials] == [2] * trials and model.hiddens[:trials] == [None] * trials
+    assert len(model.lengths) == trials + 2 * 3  # then each real batch as 3 splits of 2 time steps
