@@ -13,7 +13,14 @@ from __future__ import annotations
 import sys
 import time
 
-from tests.benchmarks import bench_lr, bench_probe_samples, bench_search, bench_snapshot, bench_throughput
+from tests.benchmarks import (
+    bench_lr,
+    bench_oom_overhead,
+    bench_probe_samples,
+    bench_search,
+    bench_snapshot,
+    bench_throughput,
+)
 from tests.benchmarks.bench_snapshot import RESULTS
 
 
@@ -32,6 +39,7 @@ def main() -> int:
     status |= bench_throughput.main([])
     print()
     status |= bench_lr.main([])  # learning-rate re-tuning: accuracy and cost, about 5 minutes
+    status |= bench_oom_overhead.main([])  # the oom trigger's per-step cost without an OOM, about 2 minutes
     print(f"\nall benchmarks: {time.perf_counter() - started:.0f}s")
     return status
 
