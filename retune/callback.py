@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from retune import compat, report
+from retune import compat, report, sharded
 from retune.apply import accumulation_for, lr_factor, scale_learning_rates
 from retune.attrs import duplicate_attr_message, loader_batch_size
 from retune.errors import RetuneError
@@ -137,6 +137,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 )
         if stage != "fit":
             return
+        if self._oom is not None:
+            sharded.check_oom_trigger(trainer)
         if self._oom is not None and not pl_module.automatic_optimization:
             raise RetuneError(
                 "the `oom` trigger recovers a training step by re-running it in micro-batches inside Lightning's "
