@@ -6,7 +6,7 @@ unfreezes the backbone at ``--unfreeze-at``; retune searches the batch size when
 after the unfreeze, every rank running the same probes on its own shards, and all ranks agree on the
 size. Runs on CPU with 2 processes (gloo)::
 
-    python examples/fsdp2_finetune.py                               # 2 CPU processes, 1 MiB budget
+    python examples/fsdp2_finetune.py                               # 2 CPU processes, 4 MiB budget
     python examples/fsdp2_finetune.py --accelerator gpu --devices 4 --budget none   # real OOM on GPUs
 
 On CPU there is no device memory to run out of, so the schedule's ``memory.budget`` bounds each
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> ScheduledBatchSizeFinder:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--unfreeze-at", type=int, default=1)
-    parser.add_argument("--budget", default="1MiB", help="memory.budget per rank ('none' on GPUs)")
+    parser.add_argument("--budget", default="4MiB", help="memory.budget per rank ('none' on GPUs)")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--n-train", type=int, default=4096)

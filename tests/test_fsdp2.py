@@ -155,3 +155,29 @@ def test_a_non_memory_error_on_one_rank_mid_forward_ends_every_rank_with_the_err
     rank0, rank1 = _ranks(runs["error"], clean=False)
     assert rank1["error"] == "ValueError: boom on rank 1"
     assert "rank 1 failed during a batch-size probe at size 64: ValueError: boom on rank 1" in rank0["error"]
+
+
+def test_the_fsdp2_example_runs_on_two_cpu_processes_and_retunes_at_the_unfreeze(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from tests.dist_utils import kill_session
+
+    script = ROOT / "examples" / "fsdp2_finetune.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, str(script), "--n-train", "1024", "--epochs", "2", "--out", str(tmp_path)]
+    proc = subprocess.Popen(
+        args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        kill_session(proc)
+        output = "TIMED OUT (a hang)\n" + proc.communicate(timeout=30)[0]
+    kill_session(proc)
+    assert proc.returncode == 0, output[-4000:]
+    lines = [line for line in output.splitlines() if " -> batch size " in line and line.startswith("epoch")]
+    assert [line.split(":")[1].split("->")[0].strip() for line in lines] == ["fit_start", "trainable_params_changed"]
+    frozen, unfrozen = (int(line.split("batch size ")[1].split()[0]) for line in lines)
+    assert unfrozen < frozen

@@ -180,3 +180,25 @@ def test_after_an_out_of_memory_mid_forward_the_sharded_model_trains_as_if_it_ne
         _step(twin, twin_opt, seed=seed)
     assert all(is_sharded(p) for p in model.parameters()), "every group resharded"
     assert all(torch.equal(a, b) for a, b in zip(_state(model, optimizer), _state(twin, twin_opt), strict=True))
+
+
+def test_sharded_gradients_kept_as_host_copies_come_back_as_the_same_dtensor_layout(
+    gloo_group: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # on a GPU a sharded gradient is copied to host memory (not held on the device during probes) and
+    # handed back as a DTensor laid out like its parameter; forced here on CPU, where it would be held
+    from retune import snapshot
+
+    monkeypatch.setattr(snapshot, "_grad_holdable", lambda grad: False)
+    model, optimizer = _sharded_model(gloo_group)
+    _step(model, optimizer, seed=1)
+    before = _state(model, optimizer)
+    grads = [p.grad for p in model.parameters()]
+    snap = TrainingSnapshot.capture(model, optimizers=[optimizer])
+    optimizer.zero_grad(set_to_none=True)  # the probe drops the gradients, then trains
+    _step(model, optimizer, seed=7, batch=8)
+    optimizer.zero_grad(set_to_none=True)  # and ends without any: restore makes new DTensor gradients
+    snap.restore()
+    assert all(torch.equal(a, b) for a, b in zip(before, _state(model, optimizer), strict=True))
+    for p, old in zip(model.parameters(), grads, strict=True):
+        assert is_sharded(p.grad) and p.grad.placements == old.placements and p.grad.shape == old.shape

@@ -170,7 +170,7 @@ def main() -> None:
         strategy=_strategy(),
         accelerator="cpu",
         devices=2,
-        max_epochs=int(os.environ.get("RETUNE_DEBUG_EPOCHS", 3 if unfreeze else 2)),
+        max_epochs=3 if unfreeze else 2,
         callbacks=cbs,
         logger=pl.loggers.CSVLogger(str(out), name="logs") if scenario == "features" else False,
         enable_checkpointing=False,
