@@ -10,26 +10,25 @@ epoch will train it.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from retune import compat, report, sharded
-from retune.apply import accumulation_for, lr_factor, scale_learning_rates
 from retune.attrs import duplicate_attr_message, loader_batch_size
+from retune.callback_io import load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.errors import RetuneError
 from retune.events import RetuneEvent, Trial
 from retune.grad_sync import SyncedSteps
 from retune.loading import ScheduleSource, load_schedule
-from retune.memory import device_total_bytes
-from retune.probe import Prober
+from retune.ordering import move_retune_last
 from retune.probe_batches import ProbeBatches
 from retune.recovery import EvalStepRecovery, Recovered, TrainStepRecovery
-from retune.search import Direction, MemoryModel, Mode, SearchResult, plan_search, run_model_search, run_search
+from retune.search import Direction
 from retune.split import SplitFn
+from retune.stage_search import Policies, StageState, search_stage
 from retune.triggers import OutOfMemory, TrainingView, Trigger, build_triggers, evaluate
+from retune.view import training_view
 
 log = logging.getLogger("retune")
 
@@ -67,6 +66,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
     The batch size is per device (per DDP process), like every Lightning batch size.
     """
 
+    _retune_rank = 1  # after every other callback, before a ScheduledLRFinder (retune.ordering)
+
     def __init__(
         self,
         schedule: ScheduleSource,
@@ -93,9 +94,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self.report_paths: report.OutputPaths | None = None
         self._trial_no = 0
         self.history: list[RetuneEvent] = []
-        self._stages: dict[str, _StageState] = {}
-        self._reference_effective: int | None = None
-        self._accumulate: int | None = None
+        self._stages: dict[str, StageState] = {}
+        self._policies = Policies()
         self._fit_starting = False
         self._restored = False
         self._disabled = False
@@ -160,8 +160,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             for stage, size in self.batch_sizes.items():
                 if stage in ("train", "val"):
                     compat.set_batch_attr(trainer, pl_module, self._attr(trainer, pl_module, stage), size)
-            if self._accumulate is not None:
-                compat.set_accumulation(trainer, self._accumulate)
+            if self._policies.accumulate is not None:
+                compat.set_accumulation(trainer, self._policies.accumulate)
             self._fit_starting = False
         else:
             self._fit_starting = True
@@ -189,8 +189,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 self._search(trainer, pl_module, "val", firing.label, "unknown", cold)
         if self._oom is not None:
             self._oom.consume()  # used by the train search above, or of no use (train is not tuned)
-        if self._accumulate is not None:
-            compat.set_accumulation(trainer, self._accumulate)  # Lightning 1.9 resets it every epoch
+        if self._policies.accumulate is not None:
+            compat.set_accumulation(trainer, self._policies.accumulate)  # Lightning 1.9 resets it every epoch
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._disabled or self._oom is None:
@@ -253,22 +253,19 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         return {
             "version": 1,
             "stages": {stage: state.to_dict() for stage, state in self._stages.items()},
-            "reference_effective": self._reference_effective,
-            "accumulate": self._accumulate,
+            "reference_effective": self._policies.reference_effective,
+            "accumulate": self._policies.accumulate,
             "history": [event.to_dict() for event in self.history],
-            "triggers": [_trigger_state(t) for t in self.triggers],
+            "triggers": trigger_states(self.triggers),
             # the split the epoch keeps after a recovered OOM: a run resumed mid-epoch need not fail again first
             "oom_pieces": 1 if self._train_recovery is None else self._train_recovery.pieces,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._stages = {stage: _StageState.from_dict(s) for stage, s in state_dict.get("stages", {}).items()}
-        self._reference_effective = state_dict.get("reference_effective")
-        self._accumulate = state_dict.get("accumulate")
+        self._stages = {stage: StageState.from_dict(s) for stage, s in state_dict.get("stages", {}).items()}
+        self._policies = Policies(state_dict.get("reference_effective"), state_dict.get("accumulate"))
         self.history = [RetuneEvent.from_dict(e) for e in state_dict.get("history", [])]
-        for trigger, saved in zip(self.triggers, state_dict.get("triggers", []), strict=False):
-            if saved is not None and hasattr(trigger, "load_state_dict"):
-                trigger.load_state_dict(saved)
+        load_trigger_states(self.triggers, state_dict.get("triggers", []))
         self._restored = True
         self._resumed_pieces = int(state_dict.get("oom_pieces", 1))
 
@@ -339,147 +336,34 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._search(trainer, pl_module, stage, label, "unknown", cold=self._stage(stage).last is None)
 
     def _search(self, trainer: Any, pl_module: Any, stage: str, label: str, direction: Direction, cold: bool) -> None:
-        config = self.schedule.search
         name = self._attr(trainer, pl_module, stage)
-        state = self._stage(stage)
-        before = compat.get_batch_attr(trainer, pl_module, name)
-        started = time.perf_counter()
-        device = pl_module.device
-        budget = self.schedule.memory.budget_bytes(device_total_bytes(device))
-        mode, limit, note = self._mode_and_limit(device, budget)
-        previous = None if cold else state.last
         known = self._oom.consume() if self._oom is not None and stage == "train" and "oom" in label else None
-        if known is not None:
-            fitting, failed = known  # a real step failed at `failed`, and pieces of `fitting` ran
-            previous = SearchResult(state.size, min(fitting, failed - 1), failed)
-            direction = "down"
-        loader = compat.request_dataloader(trainer, stage)
-        self._warn_duplicate_attr(trainer, pl_module, name, stage, loader)
-        plan = plan_search(
-            mode=mode,
-            init_val=config.init_val,
-            max_trials=config.max_trials,
-            margin=config.margin,
-            max_val=config.max_val,
-            dataset_len=compat.dataset_length(loader, trainer.world_size),
-            warm_start=config.warm_start or known is not None,
-            previous=previous,
-            direction=direction,
-        )
-        del loader
-        epoch = trainer.current_epoch
-        where = f"epoch {epoch}" if stage in ("train", "val") and compat.trainer_fn(trainer) == "fit" else label
-        self._say(f"{where}: {label} fired, searching the {stage} batch size (from {plan.start})")
         self._trial_no = 0
-        prober = Prober(
+        event, where = search_stage(
             trainer,
             pl_module,
-            name,
-            config.steps_per_trial,
-            budget,
+            schedule=self.schedule,
+            stage=stage,
+            name=name,
+            label=label,
+            direction=direction,
+            cold=cold,
+            state=self._stage(stage),
+            policies=self._policies,
+            probe_batches=self.probe_batches,
+            known_oom=known,
             on_trial=self._report_trial,
-            stage=stage,
-            track_memory=mode == "model" or device.type == "cuda",
-            arrange=lambda loader: self.probe_batches.arrange(loader, stage, config.steps_per_trial),
-        )
-        try:
-            with prober.session():
-                if mode == "model" and limit is not None:
-                    # after an unfreeze the old slope misleads more than it helps: measure the new one
-                    prior = None if cold or direction == "down" else state.model
-                    result = run_model_search(plan, prober.measure, limit, prior)
-                else:
-                    result = run_search(plan, prober.fits)
-        except BaseException:
-            compat.set_batch_attr(trainer, pl_module, name, before)
-            raise
-        if result.size is None:
-            compat.set_batch_attr(trainer, pl_module, name, before)
-            smallest = min(t.batch_size for t in result.trials)
-            raise RetuneError(
-                f"no {stage} batch size fits in memory after trigger {label!r} at epoch {epoch}: the smallest "
-                f"size tried, {smallest}, ran out of memory ({len(result.trials)} trials). Free memory (freeze "
-                f"more layers, lower precision, shorter inputs) or raise search.max_trials if it stopped early."
-            )
-        compat.set_batch_attr(trainer, pl_module, name, result.size)
-        if result.size != before:
-            compat.reload_dataloader(trainer, stage)
-            if stage == "train":
-                compat.refresh_progress_bar(trainer)
-        accumulate, factor = self._apply_policies(trainer, before, result.size) if stage == "train" else (1, 1.0)
-        event = RetuneEvent(
-            epoch=epoch,
-            global_step=trainer.global_step,
-            trigger=label,
-            stage=stage,
-            batch_size_before=before,
-            batch_size_after=result.size,
-            trials=list(result.trials),
-            duration_s=time.perf_counter() - started,
-            direction="cold" if cold else direction,
-            max_fitting=result.max_fitting,
-            min_failing=result.min_failing,
-            peak_bytes=list(prober.peaks),
-            budget_bytes=budget,
-            accumulate=accumulate,
-            effective_batch_size=accumulate * result.size,
-            lr_factor=factor,
-            mode=mode,
-            note=note,
+            say=self._say,
+            before_plan=lambda loader: self._warn_duplicate_attr(trainer, pl_module, name, stage, loader),
         )
         self.history.append(event)
-        state.size, state.last = result.size, result
-        if result.model is not None:
-            state.model = result.model
         self._say(report.format_summary(event, where))
         self._log_event(trainer, event)
 
-    def _apply_policies(self, trainer: Any, before: int, after: int) -> tuple[int, float]:
-        """Keep the effective batch size and/or scale learning rates (the schedule's ``apply``)."""
-        policy = self.schedule.apply
-        accumulate_before = compat.get_accumulation(trainer)
-        accumulate = accumulate_before
-        if policy.accumulate == "keep_effective":
-            if self._reference_effective is None:
-                self._reference_effective = after * accumulate_before  # the first tune sets the target
-            else:
-                plan = accumulation_for(self._reference_effective, after)
-                if not plan.exact:
-                    self._say(
-                        f"keep_effective: {self._reference_effective} is not a multiple of batch size {after}; "
-                        f"accumulating {plan.accumulate} batches gives an effective batch size of {plan.effective}",
-                        warn=True,
-                    )
-                accumulate = plan.accumulate
-            self._accumulate = accumulate
-            compat.set_accumulation(trainer, accumulate)
-        # the learning rates you configured belong to the first tuned size (the model's starting batch size
-        # is often a placeholder): scaling starts from there, like keep_effective's target
-        first_tune = self._stage("train").last is None
-        factor = 1.0 if first_tune else lr_factor(policy.lr_scaling, before * accumulate_before, after * accumulate)
-        scale_learning_rates(trainer.optimizers, compat.lr_holders(trainer), factor)
-        return accumulate, factor
-
-    def _mode_and_limit(self, device: Any, budget: int | None) -> tuple[Mode, int | None, str]:
-        """The search to run and the memory limit ``model`` mode predicts against.
-
-        ``model`` needs measured peaks and a limit: the budget, or a CUDA device's total memory.
-        Without both it falls back to ``binsearch`` and says so in the event.
-        """
-        mode = self.schedule.search.mode
-        if mode != "model":
-            return mode, budget, ""
-        if budget is not None and device.type in ("cpu", "cuda"):
-            return "model", budget, ""
-        if device.type == "cuda":
-            return "model", device_total_bytes(device), ""
-        reason = "no memory.budget set" if budget is None else f"no memory statistics on {device.type}"
-        return "binsearch", None, f"model mode needs measured peaks and a limit ({reason}); fell back to binsearch"
-
     # -- helpers -------------------------------------------------------------------------------
 
-    def _stage(self, stage: str) -> _StageState:
-        return self._stages.setdefault(stage, _StageState())
+    def _stage(self, stage: str) -> StageState:
+        return self._stages.setdefault(stage, StageState())
 
     def _attr(self, trainer: Any, pl_module: Any, stage: str) -> str:
         """The stage's own attribute (``val_batch_size``...) when the model or datamodule has it, else
@@ -515,29 +399,12 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         return False
 
     def _view(self, trainer: Any, pl_module: Any) -> TrainingView:
-        names = {id(p): name for name, p in pl_module.named_parameters()}
-        groups = tuple(
-            frozenset(names.get(id(p), f"<unnamed:{id(p)}>") for g in opt.param_groups for p in g["params"])
-            for opt in trainer.optimizers
-        )
-        trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
-        return TrainingView(
-            epoch=trainer.current_epoch,
-            global_step=trainer.global_step,
-            fit_starting=self._fit_starting,
-            trainable_params=trainable,
-            param_groups=groups,
-            fts_phase=compat.fts_phase(trainer),
-        )
+        return training_view(trainer, pl_module, self._fit_starting)
 
     def _move_last(self, trainer: Any) -> None:
-        """Run after every other callback in each hook, whatever order the user listed them in.
-
-        The list is replaced, not edited, because Lightning may be iterating over it right now.
-        """
-        if trainer.callbacks and trainer.callbacks[-1] is self:
-            return
-        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+        """Run after every other callback in each hook, whatever order the user listed them in (but before
+        a ``ScheduledLRFinder``, whose range test runs at the batch size found here: ``retune.ordering``)."""
+        move_retune_last(trainer)
 
     def _report_trial(self, size: int, fits: bool, peak: int | None) -> None:
         self._trial_no += 1
@@ -565,11 +432,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         if self._disabled or not self.history or not self._is_global_zero:
             return
         if self.verbose:
-            _print(report.format_table(self.history))
-        out = self.out_dir
-        if out is None:
-            folder = compat.log_dir(trainer)  # not trainer.log_dir: a collective, and only rank zero is here
-            out = None if folder is None else Path(folder) / "retune"
+            print_above_bar(report.format_table(self.history))
+        out = report_dir(trainer, self.out_dir)
         if not self.write_report or out is None:
             return
         budgets = [e.budget_bytes for e in self.history if e.budget_bytes is not None]
@@ -579,54 +443,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._say(f"history, CSV and plot in {out}")
 
     def _say(self, message: str, warn: bool = False) -> None:
-        if warn:
-            log.warning(message)
-        else:
-            log.info(message)
-        if (self.verbose or warn) and self._is_global_zero:
-            _print(f"[retune] {message}")
-
-
-@dataclass
-class _StageState:
-    """What the last search of one stage found: applied size, bracket for a warm start, memory line."""
-
-    size: int | None = None
-    last: SearchResult | None = None
-    model: MemoryModel | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "size": self.size,
-            "max_fitting": None if self.last is None else self.last.max_fitting,
-            "min_failing": None if self.last is None else self.last.min_failing,
-            "memory_model": None if self.model is None else [self.model.fixed, self.model.per_sample],
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> _StageState:
-        size = data.get("size")
-        has_last = data.get("max_fitting") is not None or data.get("min_failing") is not None
-        last = SearchResult(size, data.get("max_fitting"), data.get("min_failing")) if has_last else None
-        line = data.get("memory_model")
-        return cls(size, last, None if line is None else MemoryModel(line[0], line[1]))
-
-
-def _trigger_state(trigger: Trigger) -> dict[str, Any] | None:
-    state = getattr(trigger, "state_dict", None)
-    return state() if callable(state) else None
-
-
-def _print(message: str) -> None:
-    """Print above a TQDM progress bar instead of through it."""
-    import sys
-
-    try:
-        from tqdm import tqdm
-
-        tqdm.write(message, file=sys.stderr)
-    except ImportError:  # pragma: no cover - Lightning depends on tqdm
-        print(message, file=sys.stderr)
+        say(message, warn, self.verbose, self._is_global_zero)
 
 
 __all__ = ["ScheduledBatchSizeFinder", "Trial"]
