@@ -6,7 +6,8 @@ The same model (an MLP, four Linear(1024, 1024) layers + a head, ~4.2M parameter
 restore (what a search costs in state handling; median of 7) and records the bytes the snapshot
 holds. Then a search runs at fit start of a second fit: the same oracle (tests/oracle.py, the real
 ``torch.OutOfMemoryError`` above a modelled capacity) on both strategies, so both try the same sizes,
-and the search's wall time (median of 3) is the cost of its probes: FSDP2's all-gathers and reduce-scatters, plus
+and the search's wall time (median and best of 3: on a shared machine the best is the least disturbed)
+is the cost of its probes: FSDP2's all-gathers and reduce-scatters, plus
 one status all-reduce per collective (the guard that keeps a rank that runs out of memory from
 stranding the others). A third run, ``fsdp2-unguarded``, repeats the FSDP2 search without the guard
 (safe there only: every rank fails at the same sizes, before any collective) to show its share.
@@ -205,16 +206,18 @@ def main(argv: list[str] | None = None) -> int:
         "same batch size under both strategies": rows["ddp"]["batch_size"] == rows["fsdp2"]["batch_size"],
         "the guard changes no decision": rows["fsdp2"]["batch_size"] == rows["fsdp2-unguarded"]["batch_size"],
     }
-    print(f"{'':16}{'snapshot MB/rank':>18}{'snapshot+restore ms':>21}{'search s':>10}{'trials':>8}{'size':>6}")
+    header = f"{'snapshot MB/rank':>18}{'snapshot+restore ms':>21}{'search s':>10}{'best s':>8}{'trials':>8}{'size':>6}"
+    print(f"{'':16}{header}")
     for name, row in rows.items():
         print(
             f"{name:16}{row['snapshot_bytes'] / 1e6:>18.1f}{row['snapshot_s'] * 1e3:>21.1f}"
-            f"{row['search_s']:>10.2f}{row['trials']:>8}{row['batch_size']:>6}"
+            f"{row['search_s']:>10.2f}{row['search_best_s']:>8.2f}{row['trials']:>8}{row['batch_size']:>6}"
         )
     print(f"fsdp2 / ddp snapshot bytes per rank: {ratio:.3f}")
-    print(f"fsdp2 / ddp search time: {rows['fsdp2']['search_s'] / rows['ddp']['search_s']:.2f}")
-    guard = rows["fsdp2"]["search_s"] / rows["fsdp2-unguarded"]["search_s"]
-    print(f"fsdp2 search with / without the collective guard: {guard:.2f}")
+    for key, label in (("search_s", "median"), ("search_best_s", "best of 3")):
+        print(f"fsdp2 / ddp search time ({label}): {rows['fsdp2'][key] / rows['ddp'][key]:.2f}")
+    guard = rows["fsdp2"]["search_best_s"] / rows["fsdp2-unguarded"]["search_best_s"]
+    print(f"fsdp2 search with / without the collective guard (best of 3): {guard:.2f}")
     for target, ok in targets.items():
         print(f"{'PASS' if ok else 'FAIL'}  {target}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -245,6 +248,7 @@ def _summary(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "capture_s": max(r["capture_s"] for r in per_rank),
         "restore_s": max(r["restore_s"] for r in per_rank),
         "search_s": max(r["search_s"] for r in per_rank),
+        "search_best_s": max(min(r["search_all_s"]) for r in per_rank),
         "trials": per_rank[0]["trials"],
         "batch_size": per_rank[0]["batch_size"],
     }
