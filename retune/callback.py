@@ -121,6 +121,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             self._say("fast_dev_run is on: skipping every batch-size search in this run", warn=True)
             return
         compat.check_strategy(trainer)
+        if self._oom is not None:  # every stage: evaluation steps are recovered in micro-batches too
+            sharded.check_oom_trigger(trainer)
         if compat.unshare_spawned_weights(trainer, pl_module):
             log.debug("ddp_spawn left this rank's CPU weights in shared memory; gave it its own copy")
         stages = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[stage]
@@ -137,8 +139,6 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 )
         if stage != "fit":
             return
-        if self._oom is not None:
-            sharded.check_oom_trigger(trainer)
         if self._oom is not None and not pl_module.automatic_optimization:
             raise RetuneError(
                 "the `oom` trigger recovers a training step by re-running it in micro-batches inside Lightning's "

@@ -24,7 +24,7 @@ if LEGACY or not hasattr(pl.strategies, "ModelParallelStrategy"):
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "fsdp2" / "run_fsdp2.py"
 TIMEOUT_S = 240  # below the suite's per-test timeout, so a hang fails the tests with the runs' output
-SCENARIOS = ("forward", "backward", "unfreeze", "features", "oom", "error")
+SCENARIOS = ("forward", "backward", "unfreeze", "features", "error")
 
 
 def _collect(results: dict[str, tuple[int | None, str, Path]]) -> dict[str, Any]:
@@ -143,14 +143,6 @@ def test_a_snapshot_copies_this_ranks_shards_only(runs: dict[str, Any]) -> None:
         assert rank["snapshot_bytes"] < 0.6 * rank["whole_state_bytes"]
 
 
-def test_the_oom_trigger_is_refused_on_every_rank_with_what_works_instead(runs: dict[str, Any]) -> None:
-    rank0, rank1 = _ranks(runs["oom"], clean=False)
-    for rank in (rank0, rank1):
-        assert "the `oom` trigger is not supported under ModelParallelStrategy (FSDP2)" in rank["error"]
-        assert "search.probe_samples: largest" in rank["error"] and "DDP" in rank["error"]
-        assert rank["global_step"] == 0
-
-
 def test_a_non_memory_error_on_one_rank_mid_forward_ends_every_rank_with_the_error(runs: dict[str, Any]) -> None:
     rank0, rank1 = _ranks(runs["error"], clean=False)
     assert rank1["error"] == "ValueError: boom on rank 1"
@@ -166,7 +158,7 @@ def test_the_fsdp2_example_runs_on_two_cpu_processes_and_retunes_at_the_unfreeze
 
     script = ROOT / "examples" / "fsdp2_finetune.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, str(script), "--n-train", "1024", "--epochs", "2", "--out", str(tmp_path)]
+    args = [sys.executable, str(script), "--n-train", "2048", "--epochs", "2", "--out", str(tmp_path)]
     proc = subprocess.Popen(
         args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

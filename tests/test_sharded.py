@@ -73,11 +73,15 @@ def test_tensor_parallelism_is_refused_at_setup(dp: Any, tp: Any, refused: bool)
 
 
 @needs_model_parallel
-def test_the_oom_trigger_is_refused_under_fsdp2() -> None:
+def test_the_oom_trigger_is_refused_at_setup_under_fsdp2_with_what_works_instead() -> None:
     strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
-    with pytest.raises(RetuneError, match="`oom` trigger is not supported under ModelParallelStrategy"):
-        sharded.check_oom_trigger(trainer)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)  # not launched
+    finder = ScheduledBatchSizeFinder({"triggers": [{"kind": "fit_start"}, {"kind": "oom"}]}, verbose=False)
+    with pytest.raises(RetuneError, match="`oom` trigger is not supported under ModelParallelStrategy") as info:
+        finder.setup(trainer, FineTuneModel(), "fit")
+    assert "search.probe_samples: largest" in str(info.value) and "DDP" in str(info.value)
+    with pytest.raises(RetuneError, match="`oom` trigger is not supported"):  # validate/test/predict too
+        finder.setup(trainer, FineTuneModel(), "validate")
 
 
 # -- DTensor shards in a snapshot (one rank) ---------------------------------------------------------

@@ -14,7 +14,6 @@ Scenarios (argv[1]):
   features   model mode with a memory budget, probe_samples largest, val stage, BackboneFinetuning
              with param_groups_changed, an epoch milestone,
              keep_effective + linear lr scaling, a CSV logger (the report)
-  oom        the `oom` trigger, refused at setup on every rank
   error      rank 1 raises a ValueError in the middle of a probe's forward: every rank ends with an error
 """
 
@@ -123,8 +122,6 @@ def schedule_for(scenario: str) -> Any:
             "stages": ["train", "val"],
             "triggers": [{"kind": "fit_start"}, {"kind": "param_groups_changed"}, {"kind": "epoch", "at": [2]}],
         }
-    if scenario == "oom":
-        return {"triggers": [{"kind": "fit_start"}, {"kind": "oom"}]}
     return {"search": {"max_val": 512}, "triggers": [{"kind": "fit_start"}]}
 
 
