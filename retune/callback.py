@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from retune import compat, report, sharded
+from retune import compat, hook_calls, messages, report, sharded
 from retune.attrs import duplicate_attr_message, loader_batch_size
 from retune.callback_io import load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.errors import RetuneError
@@ -116,6 +116,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
+        messages.set_rank(int(getattr(trainer, "global_rank", 0)))
         self._disabled = bool(trainer.fast_dev_run)
         if self._disabled:
             self._say("fast_dev_run is on: skipping every batch-size search in this run", warn=True)
@@ -130,6 +131,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             if tuned == "val" and stage == "fit" and not self._separate_val(trainer, pl_module):
                 continue
             compat.check_source(trainer, tuned)
+            hook_calls.check_probeable(trainer, pl_module, tuned)
             name = self._attr(trainer, pl_module, tuned)
             if not compat.has_batch_attr(trainer, pl_module, name):
                 raise RetuneError(
@@ -443,6 +445,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._say(f"history, CSV and plot in {out}")
 
     def _say(self, message: str, warn: bool = False) -> None:
+        """A warning (always, once) or, when ``verbose``, a progress line; rank zero only (``retune.messages``)."""
         say(message, warn, self.verbose, self._is_global_zero)
 
 

@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from retune import messages
 from retune.events import RetuneEvent
-
-log = logging.getLogger("retune")
 
 FORMAT_VERSION = 1
 JSON_NAME = "history.json"
@@ -226,7 +224,7 @@ def write_outputs(
         try:
             png_path = plot_history(out / PNG_NAME, record)
         except ImportError as exc:
-            log.warning("retune: not writing %s (%s); install matplotlib for the plot", out / PNG_NAME, exc)
+            messages.warn(f"not writing {out / PNG_NAME} ({exc}); install matplotlib for the plot")
     return OutputPaths(json=json_path, csv=csv_path, png=png_path)
 
 
