@@ -30,6 +30,10 @@ from retune.collective_guard import CollectiveGuard
 from retune.errors import RetuneError
 
 _DDP = {"DDPStrategy", "DDPSpawnStrategy"}
+# FSDP1 under its 2.x name and its 1.9 names (native and fairscale), which subclass DDPStrategy in part
+_FSDP1 = {"FSDPStrategy", "DDPFullyShardedNativeStrategy", "DDPFullyShardedStrategy"}
+# 1.9's other sharding strategies that subclass DDP(Spawn)Strategy: optimizer state or the model partitioned
+_OTHER_SHARDED = {"DDPShardedStrategy", "DDPSpawnShardedStrategy", "ColossalAIStrategy"}
 _MODEL_PARALLEL = "ModelParallelStrategy"
 _POINT_TO_FSDP2 = (
     "Use Lightning's ModelParallelStrategy with FSDP2 instead: `strategy=ModelParallelStrategy("
@@ -48,8 +52,10 @@ def strategy_kind(trainer: Any) -> str:
     names = _class_names(trainer.strategy)
     if "DeepSpeedStrategy" in names:
         return "DeepSpeedStrategy"
-    if "FSDPStrategy" in names:
+    if names & _FSDP1:
         return "FSDPStrategy"
+    if names & _OTHER_SHARDED:
+        return type(trainer.strategy).__name__
     if _MODEL_PARALLEL in names:
         return "fsdp2"
     if int(getattr(trainer, "world_size", 1)) <= 1:
@@ -81,8 +87,8 @@ def check_strategy(trainer: Any) -> None:
         return
     if kind == "FSDPStrategy":
         raise RetuneError(
-            "ScheduledBatchSizeFinder does not support FSDPStrategy (FSDP1, deprecated by torch): it wraps the "
-            "model, and probes would have to run through the wrapper. " + _POINT_TO_FSDP2
+            f"ScheduledBatchSizeFinder does not support {type(trainer.strategy).__name__} (FSDP1, deprecated by "
+            "torch): it wraps the model, and probes would have to run through the wrapper. " + _POINT_TO_FSDP2
         )
     if kind == "DeepSpeedStrategy":
         raise RetuneError(

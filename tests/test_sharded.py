@@ -206,3 +206,17 @@ def test_sharded_gradients_kept_as_host_copies_come_back_as_the_same_dtensor_lay
     assert all(torch.equal(a, b) for a, b in zip(before, _state(model, optimizer), strict=True))
     for p, old in zip(model.parameters(), grads, strict=True):
         assert is_sharded(p.grad) and p.grad.placements == old.placements and p.grad.shape == old.shape
+
+
+@pytest.mark.parametrize(
+    "name", ["DDPFullyShardedNativeStrategy", "DDPFullyShardedStrategy", "DDPShardedStrategy", "ColossalAIStrategy"]
+)
+def test_lightning_1_9_sharding_strategies_are_refused_not_mistaken_for_ddp(name: str) -> None:
+    # several of them subclass DDPStrategy; matched as DDP, their sharded state would be probed as whole
+    cls = getattr(pl.strategies, name, None)
+    if cls is None:
+        pytest.skip(f"no {name} in Lightning {pl.__version__}")
+    trainer = _trainer(_bare(cls), 2)
+    assert sharded.strategy_kind(trainer) not in ("ddp", "single")
+    with pytest.raises(RetuneError, match=name):
+        sharded.check_strategy(trainer)
