@@ -27,6 +27,7 @@ from retune.recovery import EvalStepRecovery, Recovered, TrainStepRecovery
 from retune.search import Direction
 from retune.split import SplitFn
 from retune.stage_search import Policies, StageState, search_stage
+from retune.step_timer import Clock
 from retune.triggers import OutOfMemory, TrainingView, Trigger, build_triggers, evaluate
 from retune.view import training_view
 
@@ -50,6 +51,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             micro-batches: ``fn(batch, pieces) -> list of micro-batches`` (see :mod:`retune.split`).
         sample_size: ``fn(sample) -> int``, the size of ``dataset[i]`` that ``search.probe_samples: largest``
             ranks samples by (default: the number of elements in its tensors, numbers and strings).
+        clock: with ``search.objective: throughput``, the timer probe steps are read with (default
+            ``time.perf_counter``); a simulation or a test passes one that advances by a known step time.
 
     Example::
 
@@ -77,8 +80,10 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         write_report: bool = True,
         split_batch: SplitFn | None = None,
         sample_size: Callable[[Any], int] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.schedule = load_schedule(schedule)
+        self.clock = clock
         self.probe_batches = ProbeBatches.from_schedule(self.schedule, schedule, sample_size, say=self._say)
         self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
         self.split_batch = split_batch
@@ -357,6 +362,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             on_trial=self._report_trial,
             say=self._say,
             before_plan=lambda loader: self._warn_duplicate_attr(trainer, pl_module, name, stage, loader),
+            clock=self.clock,
         )
         self.history.append(event)
         self._say(report.format_summary(event, where))
@@ -408,9 +414,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         a ``ScheduledLRFinder``, whose range test runs at the batch size found here: ``retune.ordering``)."""
         move_retune_last(trainer)
 
-    def _report_trial(self, size: int, fits: bool, peak: int | None) -> None:
+    def _report_trial(self, size: int, fits: bool, peak: int | None, samples_per_s: float | None = None) -> None:
         self._trial_no += 1
-        self._say("  " + report.format_trial(self._trial_no, size, fits, peak))
+        self._say("  " + report.format_trial(self._trial_no, size, fits, peak, samples_per_s))
 
     def _log_event(self, trainer: Any, event: RetuneEvent) -> None:
         """Send a search's result to every logger, at the step it ran (the probes are over: loggers are back).

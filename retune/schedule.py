@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 SearchMode = Literal["power", "binsearch", "model"]
+Objective = Literal["largest", "throughput"]
 Stage = Literal["train", "val", "test", "predict"]
 StrictFloat = Annotated[float, Strict()]
 
@@ -93,6 +94,20 @@ class SearchConfig(_Config):
         "implies, instead of climbing from init_val again.",
     )
 
+    objective: Objective = Field(
+        "largest",
+        description="largest: the largest size that fits; throughput: among the sizes that fit, the one with the "
+        "most samples per second, timed on the probes' steps after the first of each trial.",
+    )
+    throughput_tolerance: StrictFloat = Field(
+        0.03,
+        ge=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="throughput: sizes within this fraction of the fastest count as ties, and the smallest of "
+        "them is chosen (less memory, more optimizer steps).",
+    )
+
     probe_samples: Literal["first", "largest"] = Field(
         "first",
         description="first: probe on the first batches of the dataloader; largest: every probe batch at size b "
@@ -117,6 +132,17 @@ class SearchConfig(_Config):
             raise ValueError(
                 f"{value!r} is not a dotted path to a function; write 'package.module.function' "
                 "or 'package.module:function'"
+            )
+        return value
+
+    @field_validator("objective")
+    @classmethod
+    def _timed_steps(cls, value: str, info: ValidationInfo) -> str:
+        steps = info.data.get("steps_per_trial")
+        if value == "throughput" and steps is not None and steps < 2:
+            raise ValueError(
+                f"throughput times the steps after the first of each trial (the first warms up), so it needs "
+                f"search.steps_per_trial >= 2, got {steps}"
             )
         return value
 
@@ -281,8 +307,8 @@ class LRFindConfig(_Config):
     steps: StrictInt = Field(100, ge=2, description="Training steps (one batch each) in one range test.")
     early_stop_threshold: Union[Annotated[StrictFloat, Field(gt=1.0, allow_inf_nan=False)], None] = Field(
         4.0,
-        description="Stop the test once the smoothed loss exceeds this many times its lowest value (a non-finite "
-        "loss always stops it); null: run every step.",
+        description="Stop the test once the smoothed loss exceeds this many times the larger of its lowest value "
+        "and its value at the third step (a non-finite loss always stops it); null: run every step.",
     )
     smoothing: StrictFloat = Field(
         0.98, ge=0.0, lt=1.0, description="Exponential moving average factor for the loss (0: no smoothing)."

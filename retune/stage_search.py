@@ -21,10 +21,12 @@ from retune.apply import accumulation_for, lr_factor, scale_learning_rates
 from retune.errors import RetuneError
 from retune.events import RetuneEvent
 from retune.memory import device_total_bytes
-from retune.probe import Prober
+from retune.probe import Prober, TrialReport
 from retune.probe_batches import ProbeBatches
 from retune.schedule import RetuneSchedule
 from retune.search import Direction, MemoryModel, Mode, SearchResult, plan_search, run_model_search, run_search
+from retune.step_timer import Clock
+from retune.throughput import ThroughputPlan, choose_fastest, timed_sizes, trial_rates, with_choice
 
 Say = Callable[..., None]
 """``say(message, warn=False)``: the callback's rank-zero printer."""
@@ -95,15 +97,18 @@ def search_stage(
     policies: Policies,
     probe_batches: ProbeBatches,
     known_oom: tuple[int, int] | None,
-    on_trial: Callable[[int, bool, int | None], None],
+    on_trial: TrialReport,
     say: Say,
     before_plan: Callable[[Any], None] | None = None,
+    clock: Clock | None = None,
 ) -> tuple[RetuneEvent, str]:
     """Search ``stage``'s batch size (attribute ``name``), apply it, and return the event and where it ran.
 
     ``known_oom`` is ``(fitting, failed)`` from a real training step that ran out of memory at
     ``failed`` and trained in pieces of ``fitting``: the search starts below the failure. ``state``
     is updated in place; ``before_plan(loader)`` sees the stage's loader once (a warning about it).
+    With ``search.objective: throughput`` the size applied is the fastest that fits (:mod:`retune.throughput`),
+    its steps timed with ``clock``.
     On any failure the attribute is put back to what it was.
     """
     config = schedule.search
@@ -145,7 +150,10 @@ def search_stage(
         stage=stage,
         track_memory=mode == "model" or device.type == "cuda",
         arrange=lambda loader: probe_batches.arrange(loader, stage, config.steps_per_trial),
+        time_steps=config.objective == "throughput",
+        clock=clock,
     )
+    largest: int | None = None
     try:
         with prober.session():
             if mode == "model" and limit is not None:
@@ -154,6 +162,9 @@ def search_stage(
                 result = run_model_search(plan, prober.measure, limit, prior)
             else:
                 result = run_search(plan, prober.fits)
+            if config.objective == "throughput" and result.size is not None:
+                largest = result.size
+                result = fastest_that_fits(prober, result, schedule, None if cold else state.size)
     except BaseException:
         compat.set_batch_attr(trainer, pl_module, name, before)
         raise
@@ -195,11 +206,31 @@ def search_stage(
         lr_factor=factor,
         mode=mode,
         note=note,
+        objective=config.objective,
+        samples_per_s=[] if largest is None else trial_rates(result.trials, prober.step_times),
+        largest=largest,
     )
     state.size, state.last = result.size, result
     if result.model is not None:
         state.model = result.model
     return event, where
+
+
+def fastest_that_fits(prober: Prober, result: SearchResult, schedule: RetuneSchedule, last: int | None) -> SearchResult:
+    """``objective: throughput``: among the sizes up to the one ``result`` applies, the fastest.
+
+    Runs inside the probe session, timing the fit search's steps and adding the few trials the
+    selection needs. A warm re-tune starts looking at ``last``, the size the previous search chose.
+    """
+    config = schedule.search
+    assert result.size is not None
+    start = last if config.warm_start else None
+    choice = choose_fastest(
+        ThroughputPlan(cap=result.size, tolerance=config.throughput_tolerance, start=start),
+        timed_sizes(result.trials, prober.step_times),
+        prober.time,
+    )
+    return with_choice(result, choice)
 
 
 def apply_policies(
@@ -237,4 +268,4 @@ def apply_policies(
     return accumulate, factor
 
 
-__all__ = ["Policies", "StageState", "apply_policies", "mode_and_limit", "search_stage"]
+__all__ = ["Policies", "StageState", "apply_policies", "fastest_that_fits", "mode_and_limit", "search_stage"]

@@ -52,6 +52,9 @@ def test_to_dict_fields_and_trials_as_pairs() -> None:
         "mode": "",
         "note": "",
         "micro_batches": 0,
+        "objective": "largest",
+        "samples_per_s": [],
+        "largest": None,
     }
     assert set(data) == {f.name for f in dataclasses.fields(RetuneEvent)}
 

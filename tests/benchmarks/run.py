@@ -2,7 +2,8 @@
 
 Writes tests/benchmarks/results/search.json, tests/benchmarks/results/snapshot.json (one torch
 thread), tests/benchmarks/results/snapshot-default-threads.json (torch's default) and
-tests/benchmarks/results/probe_samples.json and tests/benchmarks/results/fsdp2.json. A missed
+tests/benchmarks/results/probe_samples.json, tests/benchmarks/results/throughput.json,
+tests/benchmarks/results/lr.json and tests/benchmarks/results/fsdp2.json. A missed
 target is reported as FAIL in the output and the JSON; the exit status is non-zero only when a
 benchmark itself crashes.
 """
@@ -12,7 +13,14 @@ from __future__ import annotations
 import sys
 import time
 
-from tests.benchmarks import bench_fsdp2, bench_probe_samples, bench_search, bench_snapshot
+from tests.benchmarks import (
+    bench_fsdp2,
+    bench_lr,
+    bench_probe_samples,
+    bench_search,
+    bench_snapshot,
+    bench_throughput,
+)
 from tests.benchmarks.bench_snapshot import RESULTS
 
 
@@ -27,6 +35,10 @@ def main() -> int:
     status |= bench_snapshot.main(["--threads", "0", "--out", str(RESULTS / "snapshot-default-threads.json")])
     print()
     status |= bench_probe_samples.main([])
+    print()
+    status |= bench_throughput.main([])
+    print()
+    status |= bench_lr.main([])  # learning-rate re-tuning: accuracy and cost, about 5 minutes
     print()
     status |= bench_fsdp2.main([])  # 2 gloo processes per strategy, started as subprocesses
     print(f"\nall benchmarks: {time.perf_counter() - started:.0f}s")
