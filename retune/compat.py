@@ -642,51 +642,6 @@ def _automatic_loop(trainer: Any) -> Any:
     return epoch_loop.automatic_optimization
 
 
-def install_closure_runner(trainer: Any, run: Callable[[Any], Any]) -> Callable[[], None]:
-    """Route the body of every training closure the fit loop builds through ``run``; returns the undo.
-
-    ``run`` receives a :class:`retune.recovery.StepParts` for the batch and returns the loop's step
-    result (Lightning's ``ClosureResult``). Everything around the closure (``optimizer_step``, the
-    precision plugin's gradient clipping and grad scaler, progress counters) stays Lightning's.
-    Patched on the loop instance only, so nothing outside this trainer changes.
-    """
-    from retune.recovery import StepParts
-
-    loop = _automatic_loop(trainer)
-    original = loop._make_closure
-
-    def make_closure(kwargs: Any, optimizer: Any, *rest: Any) -> Any:
-        closure = original(kwargs, optimizer, *rest)
-
-        def forward(batch: Any) -> Any:
-            step_kwargs = type(kwargs)(kwargs)
-            step_kwargs["batch"] = batch
-            return loop._training_step(step_kwargs)
-
-        parts = StepParts(
-            batch=kwargs["batch"],
-            forward=forward,
-            zero_grad=closure._zero_grad_fn,
-            backward=closure._backward_fn,
-            loss_of=lambda result: result.closure_loss,
-            with_loss=lambda result, loss: dataclasses.replace(result, closure_loss=loss),
-            micro_logging=lambda batch, keep: micro_batch_logging(trainer, batch, keep),
-            save_logs=lambda: save_logged_metrics(trainer),
-            journal_logs=lambda: journal_logged_metrics(trainer),
-            where=lambda: f"epoch {trainer.current_epoch}, global step {trainer.global_step}",
-        )
-        closure.closure = lambda *args, **kw: run(parts)
-        return closure
-
-    loop._make_closure = make_closure
-
-    def undo() -> None:
-        if vars(loop).get("_make_closure") is make_closure:
-            del loop._make_closure
-
-    return undo
-
-
 def ddp_wrapper(trainer: Any) -> Any | None:
     """The ``DistributedDataParallel`` module the strategy trains through, or None."""
     model = getattr(trainer.strategy, "model", None)
