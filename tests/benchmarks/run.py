@@ -16,6 +16,7 @@ import time
 from tests.benchmarks import (
     bench_fsdp2,
     bench_lr,
+    bench_oom_overhead,
     bench_probe_samples,
     bench_search,
     bench_snapshot,
@@ -39,6 +40,7 @@ def main() -> int:
     status |= bench_throughput.main([])
     print()
     status |= bench_lr.main([])  # learning-rate re-tuning: accuracy and cost, about 5 minutes
+    status |= bench_oom_overhead.main([])  # the oom trigger's per-step cost without an OOM, about 2 minutes
     print()
     status |= bench_fsdp2.main([])  # 2 gloo processes per strategy, started as subprocesses
     print(f"\nall benchmarks: {time.perf_counter() - started:.0f}s")
