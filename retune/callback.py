@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from retune import compat, hook_calls, messages, report
+from retune import compat, hook_calls, messages, report, sharded
 from retune.attrs import duplicate_attr_message, loader_batch_size
 from retune.callback_io import load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.errors import FieldProblem, RetuneError, ScheduleError
@@ -137,6 +137,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             self._say("fast_dev_run is on: skipping every batch-size search in this run", warn=True)
             return
         compat.check_strategy(trainer)
+        if self._oom is not None:  # every stage: evaluation steps are recovered in micro-batches too
+            sharded.check_oom_trigger(trainer)
         if compat.unshare_spawned_weights(trainer, pl_module):
             log.debug("ddp_spawn left this rank's CPU weights in shared memory; gave it its own copy")
         stages = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[stage]
