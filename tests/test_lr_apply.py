@@ -46,6 +46,11 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, float], Any]] = {
     "CyclicLR": lambda o, lr: sched.CyclicLR(o, base_lr=lr / 10, max_lr=lr, step_size_up=4),
     "CosineAnnealingLR": lambda o, lr: sched.CosineAnnealingLR(o, T_max=16),
     "StepLR": lambda o, lr: sched.StepLR(o, step_size=3, gamma=0.5),
+    "SequentialLR warmup then cosine": lambda o, lr: sched.SequentialLR(
+        o,
+        [sched.LinearLR(o, start_factor=0.1, total_iters=4), sched.CosineAnnealingLR(o, T_max=12)],
+        milestones=[4],
+    ),
 }
 
 
