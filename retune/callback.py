@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from retune import compat, report
 from retune.attrs import duplicate_attr_message, loader_batch_size
+from retune.bucketing import BucketState, TrainBuckets
 from retune.errors import RetuneError
 from retune.events import RetuneEvent, Trial
 from retune.grad_sync import SyncedSteps
@@ -75,6 +76,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
     ) -> None:
         self.schedule = load_schedule(schedule)
         self.probe_batches = ProbeBatches.from_schedule(self.schedule, schedule, sample_size, say=self._say)
+        search = self.schedule.search
+        self._buckets = TrainBuckets(search.buckets, self.probe_batches) if search.batching == "buckets" else None
         self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
         self.split_batch = split_batch
         self._oom: OutOfMemory | None = next((t for t in self.triggers if isinstance(t, OutOfMemory)), None)
@@ -106,6 +109,12 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
     def batch_sizes(self) -> dict[str, int]:
         """The last size applied per stage, e.g. ``{"train": 76, "val": 1024}``."""
         return {stage: state.size for stage, state in self._stages.items() if state.size is not None}
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """With ``search.batching: buckets``: each length bucket's train batch size, shortest samples first
+        (empty before the first search, with ``fixed``, or where the loader could not be bucketed)."""
+        return [] if self._buckets is None else list(self._buckets.state.sizes)
 
     # -- Lightning hooks -----------------------------------------------------------------------
 
@@ -143,6 +152,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 "apply.accumulate: keep_effective sets gradient accumulation itself and cannot share it with a "
                 "GradientAccumulationScheduler (or a dict `accumulate_grad_batches`); remove one of the two"
             )
+        if self._buckets is not None and "train" in self.schedule.stages:
+            self._buckets.install(trainer)
         self._move_last(trainer)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -155,6 +166,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                     compat.set_batch_attr(trainer, pl_module, self._attr(trainer, pl_module, stage), size)
             if self._policies.accumulate is not None:
                 compat.set_accumulation(trainer, self._policies.accumulate)
+            if self._buckets is not None and self._buckets.hook.installed:
+                self._buckets.restore(trainer, self._say)  # the loader Lightning builds next is bucketed
             self._fit_starting = False
         else:
             self._fit_starting = True
@@ -167,9 +180,13 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             self._train_recovery.pieces = 1  # each epoch starts whole, at the size the search picks now
         if self._oom is not None and compat.is_distributed(trainer):
             # a rank that ran out of memory tells the others, so rank zero's trigger decision includes it
-            for known in compat.all_gather_object(trainer, self._oom.consume()):
+            failures = {} if self._buckets is None else self._buckets.failures
+            gathered = compat.all_gather_object(trainer, (self._oom.consume(), failures))
+            for known, _ in gathered:
                 if known is not None:
                     self._oom.record(failed_size=known[1], fitting_size=known[0])
+            if self._buckets is not None:
+                self._buckets.merge_failures([bucket_failures for _, bucket_failures in gathered])
         view = self._view(trainer, pl_module)
         self._fit_starting = False
         # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
@@ -252,6 +269,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             "triggers": [_trigger_state(t) for t in self.triggers],
             # the split the epoch keeps after a recovered OOM: a run resumed mid-epoch need not fail again first
             "oom_pieces": 1 if self._train_recovery is None else self._train_recovery.pieces,
+            "buckets": None if self._buckets is None else self._buckets.state.to_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -263,6 +281,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 trigger.load_state_dict(saved)
         self._restored = True
         self._resumed_pieces = int(state_dict.get("oom_pieces", 1))
+        saved_buckets = state_dict.get("buckets")
+        if self._buckets is not None and saved_buckets:
+            self._buckets.state = BucketState.from_dict(saved_buckets)
 
     # -- out-of-memory recovery (the `oom` trigger; the mechanics live in retune.recovery) ------
 
@@ -292,6 +313,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._eval_undo = self._eval_recovery = None
 
     def _uninstall(self) -> None:
+        if self._buckets is not None:
+            self._buckets.uninstall()
         self._unguard_eval()
         while self._undo:
             self._undo.pop()()
@@ -305,8 +328,12 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         samples = done.samples or size
         size = size or samples
         largest_piece = -(-samples // done.pieces)
+        bucket = None
         if stage == "train" and self._oom is not None:
             self._oom.record(failed_size=samples, fitting_size=largest_piece)
+            if self._buckets is not None:
+                bucket = self._buckets.record_failure(trainer, failed=samples, fitting=largest_piece)
+        where = "" if bucket is None else f" (bucket {bucket}, its next search lowers only its size)"
         event = RetuneEvent(
             epoch=trainer.current_epoch,
             global_step=trainer.global_step,
@@ -317,7 +344,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             direction="down",
             micro_batches=done.pieces,
             note=f"out of memory in {done.failed_in} on a batch of {samples}; trained it as {done.pieces} "
-            f"micro-batches of at most {largest_piece}",
+            f"micro-batches of at most {largest_piece}{where}",
         )
         self.history.append(event)
         self._say(report.format_summary(event), warn=True)
@@ -350,6 +377,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             on_trial=self._report_trial,
             say=self._say,
             before_plan=lambda loader: self._warn_duplicate_attr(trainer, pl_module, name, stage, loader),
+            buckets=self._buckets if stage == "train" else None,
         )
         self.history.append(event)
         self._say(report.format_summary(event, where))
@@ -420,7 +448,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
 
     def _report_trial(self, size: int, fits: bool, peak: int | None) -> None:
         self._trial_no += 1
-        self._say("  " + report.format_trial(self._trial_no, size, fits, peak))
+        bucket = None if self._buckets is None else self._buckets.current_bucket
+        self._say("  " + report.format_trial(self._trial_no, size, fits, peak, bucket=bucket))
 
     def _log_event(self, trainer: Any, event: RetuneEvent) -> None:
         """Send a search's result to every logger, at the step it ran (the probes are over: loggers are back).
