@@ -273,7 +273,15 @@ class TrainBuckets:
                 },
                 only=only,
             )
-        sizes = [None if found is None else margin_of(found) for found in result.found]
+        sizes: list[int | None] = [None if found is None else margin_of(found) for found in result.found]
+        # after the margin, too: a size that fits longer samples fits shorter ones (up to a bucket's own count)
+        best: int | None = None
+        for bucket in sorted(range(buckets.count), key=lambda b: -buckets.largest[b]):
+            size = sizes[bucket]
+            if size is not None and best is not None and size < best:
+                sizes[bucket] = size = max(size, min(best, uppers[bucket]))
+            if size is not None:
+                best = size if best is None else max(best, size)
         if only is not None and previous is not None:
             sizes = [sizes[b] if b in only else previous[b] for b in range(buckets.count)]
         return BucketOutcome(buckets, result, sizes, list(self.state.sizes) if same_buckets else [])
