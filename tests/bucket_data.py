@@ -100,7 +100,11 @@ class BucketModel(pl.LightningModule):  # type: ignore[misc]
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(
-            self.data, batch_size=self.batch_size, shuffle=self.shuffle, collate_fn=pad_collate, drop_last=self.drop_last
+            self.data,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            collate_fn=pad_collate,
+            drop_last=self.drop_last,
         )
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 
@@ -117,7 +118,7 @@ def test_shuffled_across_buckets_reproducible_and_new_every_epoch() -> None:
     assert first != epoch_batches(plan, sizes, seed=8, epoch=0)
     # batches of different buckets are interleaved, not one bucket after another
     buckets = [b.bucket for b in first]
-    switches = sum(1 for a, b in zip(buckets, buckets[1:], strict=False) if a != b)
+    switches = sum(1 for a, b in itertools.pairwise(buckets) if a != b)
     assert switches > plan.count * 3
 
 
@@ -201,7 +202,14 @@ def test_exact_sizes_and_a_retune_after_an_unfreeze_in_at_most_buckets_plus_4_tr
     assert all(t.fits is (t.peak is not None and t.peak <= LIMIT) for t in cold.trials)
     unfrozen = _memory(30e6, 3000, 4500, quadratic * 1.5)  # gradients, optimizer state, stored activations
     retune = search_buckets(
-        LENGTHS, (4096,) * 6, unfrozen, LIMIT, start=2, max_trials=25, previous=cold.found, direction="down",
+        LENGTHS,
+        (4096,) * 6,
+        unfrozen,
+        LIMIT,
+        start=2,
+        max_trials=25,
+        previous=cold.found,
+        direction="down",
         prior=cold.memory,
     )
     assert retune.found == _truth(unfrozen)
@@ -213,7 +221,14 @@ def test_exact_sizes_and_a_retune_after_an_unfreeze_in_at_most_buckets_plus_4_tr
     assert same.found == retune.found and len(same.trials) <= len(LENGTHS) + 1
     refrozen = _memory(15e6, 2000, 3000, quadratic)
     up = search_buckets(
-        LENGTHS, (4096,) * 6, refrozen, LIMIT, start=2, max_trials=25, previous=same.found, direction="up",
+        LENGTHS,
+        (4096,) * 6,
+        refrozen,
+        LIMIT,
+        start=2,
+        max_trials=25,
+        previous=same.found,
+        direction="up",
         prior=same.memory,
     )
     assert up.found == _truth(refrozen) and len(up.trials) <= len(LENGTHS) + 4
@@ -241,8 +256,18 @@ def test_an_out_of_memory_step_re_searches_only_its_bucket() -> None:
     assert truth[2] is not None
     failed = truth[2]  # the real step of bucket 2 ran out of memory at its size
     after = search_buckets(
-        LENGTHS, (4096,) * 6, _memory(21e6, 2000, 3000), LIMIT, start=2, max_trials=25, previous=truth,
-        direction="down", prior=cold.memory, known_fail={2: failed}, known_fit={2: failed // 2}, only=[2],
+        LENGTHS,
+        (4096,) * 6,
+        _memory(21e6, 2000, 3000),
+        LIMIT,
+        start=2,
+        max_trials=25,
+        previous=truth,
+        direction="down",
+        prior=cold.memory,
+        known_fail={2: failed},
+        known_fit={2: failed // 2},
+        only=[2],
     )
     assert {t.bucket for t in after.trials} == {2}
     assert after.found[2] is not None and after.found[2] < failed

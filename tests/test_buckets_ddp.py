@@ -26,9 +26,7 @@ N = 401
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # a session of its own, killed whole on a timeout below the suite's per-test one (tests/dist_utils.py)
-    code, output, out = run_rank_scripts({"buckets": ["{out}"]}, SCRIPT, tmp_path_factory.mktemp("ddp"), 240)[
-        "buckets"
-    ]
+    code, output, out = run_rank_scripts({"buckets": ["{out}"]}, SCRIPT, tmp_path_factory.mktemp("ddp"), 240)["buckets"]
     assert code == 0, output[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 

@@ -44,7 +44,9 @@ def _data() -> IndexedTokens:
 
 
 def _finder(**search: Any) -> ScheduledBatchSizeFinder:
-    return ScheduledBatchSizeFinder(bucket_data.schedule(**search), sample_size=tokens, verbose=False, write_report=False)
+    return ScheduledBatchSizeFinder(
+        bucket_data.schedule(**search), sample_size=tokens, verbose=False, write_report=False
+    )
 
 
 def _epochs(model: BucketModel, per_epoch: list[int]) -> list[list[list[int]]]:
@@ -262,3 +264,53 @@ def test_loaders_that_cannot_be_bucketed_fall_back_to_fixed_with_one_warning(
     assert finder.bucket_sizes == [] and len(finder.history) == 2
     assert all(e.mode != "buckets" and not e.bucket_sizes for e in finder.history)
     assert finder.batch_size is not None
+
+
+# -- the oom trigger ---------------------------------------------------------------------------------
+
+
+class _TokenOracle(BucketModel):
+    """Runs out of memory like a GPU, with the real error type: a batch fails when ``batch x longest``
+    exceeds its capacity. From global step ``drop_at`` on, batches of long samples (> 100 tokens) have half
+    the capacity (memory that long sequences need grew), so only the long samples' bucket fails."""
+
+    def __init__(self, data: IndexedTokens, capacity: int, drop_at: int) -> None:
+        super().__init__(data)
+        self.capacity, self.drop_at = capacity, drop_at
+        self.ooms = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids = batch[0]
+        longest = int((ids > 0).sum(1).max())
+        capacity = self.capacity
+        if longest > 100 and self.trainer.global_step >= self.drop_at:
+            capacity //= 2
+        if ids.shape[0] * longest > capacity:
+            self.ooms += 1
+            raise torch.OutOfMemoryError(f"CUDA out of memory (oracle: {ids.shape[0]} x {longest} > {capacity})")
+        return super().training_step(batch, batch_idx)
+
+
+def test_oom_lowers_only_the_failing_bucket_after_recovering_the_step() -> None:
+    seed(0)
+    model = _TokenOracle(_data(), capacity=2048, drop_at=1)
+    sched = {
+        "triggers": [{"kind": "fit_start"}, {"kind": "oom"}],
+        "search": {"batching": "buckets", "buckets": 4, "steps_per_trial": 1, "mode": "binsearch", "margin": 0.0},
+    }
+    finder = ScheduledBatchSizeFinder(sched, sample_size=tokens, verbose=False, write_report=False)
+    bucket_data.trainer([finder], epochs=2).fit(model)
+    searches = [e for e in finder.history if not e.is_recovery]
+    recoveries = [e for e in finder.history if e.is_recovery]
+    assert [e.trigger for e in searches] == ["fit_start", "oom"]
+    assert recoveries and all("bucket 3" in e.note for e in recoveries), [e.note for e in recoveries]
+    first, second = searches
+    assert first.note.startswith("no memory limit to model")  # no budget: each bucket bisected on real OOMs
+    assert set(second.trial_buckets) == {3}, "only the failing bucket is probed again"
+    assert second.bucket_sizes[:3] == first.bucket_sizes[:3]
+    assert second.bucket_sizes[3] < first.bucket_sizes[3]
+    assert second.bucket_sizes[3] * first.bucket_bounds[3] <= 1024
+    # every sample trained once per epoch, the failed steps included (recovered in micro-batches)
+    per_epoch = len(model.batches) // 2
+    for batches in (model.batches[:per_epoch], model.batches[per_epoch:]):
+        assert sorted(i for b in batches for i in b) == list(range(N))
