@@ -18,6 +18,7 @@ __all__ = [
     "RetuneSchedule",
     "ScheduleError",
     "ScheduledBatchSizeFinder",
+    "ScheduledLRFinder",
     "TrainingView",
     "Trial",
     "Trigger",
@@ -34,6 +35,10 @@ def __getattr__(name: str) -> object:
         from retune.callback import ScheduledBatchSizeFinder
 
         return ScheduledBatchSizeFinder
+    if name == "ScheduledLRFinder":
+        from retune.lr_callback import ScheduledLRFinder
+
+        return ScheduledLRFinder
     if name == "is_oom_error":
         from retune.oom import is_oom_error
 

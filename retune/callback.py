@@ -17,16 +17,19 @@ from typing import TYPE_CHECKING, Any
 from retune import compat, report
 from retune.attrs import duplicate_attr_message, loader_batch_size
 from retune.bucketing import BucketState, TrainBuckets
+from retune.callback_io import load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.errors import RetuneError
 from retune.events import RetuneEvent, Trial
 from retune.grad_sync import SyncedSteps
 from retune.loading import ScheduleSource, load_schedule
+from retune.ordering import move_retune_last
 from retune.probe_batches import ProbeBatches
 from retune.recovery import EvalStepRecovery, Recovered, TrainStepRecovery
 from retune.search import Direction
 from retune.split import SplitFn
 from retune.stage_search import Policies, StageState, search_stage
 from retune.triggers import OutOfMemory, TrainingView, Trigger, build_triggers, evaluate
+from retune.view import training_view
 
 log = logging.getLogger("retune")
 
@@ -63,6 +66,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
 
     The batch size is per device (per DDP process), like every Lightning batch size.
     """
+
+    _retune_rank = 1  # after every other callback, before a ScheduledLRFinder (retune.ordering)
 
     def __init__(
         self,
@@ -266,7 +271,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             "reference_effective": self._policies.reference_effective,
             "accumulate": self._policies.accumulate,
             "history": [event.to_dict() for event in self.history],
-            "triggers": [_trigger_state(t) for t in self.triggers],
+            "triggers": trigger_states(self.triggers),
             # the split the epoch keeps after a recovered OOM: a run resumed mid-epoch need not fail again first
             "oom_pieces": 1 if self._train_recovery is None else self._train_recovery.pieces,
             "buckets": None if self._buckets is None else self._buckets.state.to_dict(),
@@ -276,9 +281,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._stages = {stage: StageState.from_dict(s) for stage, s in state_dict.get("stages", {}).items()}
         self._policies = Policies(state_dict.get("reference_effective"), state_dict.get("accumulate"))
         self.history = [RetuneEvent.from_dict(e) for e in state_dict.get("history", [])]
-        for trigger, saved in zip(self.triggers, state_dict.get("triggers", []), strict=False):
-            if saved is not None and hasattr(trigger, "load_state_dict"):
-                trigger.load_state_dict(saved)
+        load_trigger_states(self.triggers, state_dict.get("triggers", []))
         self._restored = True
         self._resumed_pieces = int(state_dict.get("oom_pieces", 1))
         saved_buckets = state_dict.get("buckets")
@@ -422,29 +425,12 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         return False
 
     def _view(self, trainer: Any, pl_module: Any) -> TrainingView:
-        names = {id(p): name for name, p in pl_module.named_parameters()}
-        groups = tuple(
-            frozenset(names.get(id(p), f"<unnamed:{id(p)}>") for g in opt.param_groups for p in g["params"])
-            for opt in trainer.optimizers
-        )
-        trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
-        return TrainingView(
-            epoch=trainer.current_epoch,
-            global_step=trainer.global_step,
-            fit_starting=self._fit_starting,
-            trainable_params=trainable,
-            param_groups=groups,
-            fts_phase=compat.fts_phase(trainer),
-        )
+        return training_view(trainer, pl_module, self._fit_starting)
 
     def _move_last(self, trainer: Any) -> None:
-        """Run after every other callback in each hook, whatever order the user listed them in.
-
-        The list is replaced, not edited, because Lightning may be iterating over it right now.
-        """
-        if trainer.callbacks and trainer.callbacks[-1] is self:
-            return
-        trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+        """Run after every other callback in each hook, whatever order the user listed them in (but before
+        a ``ScheduledLRFinder``, whose range test runs at the batch size found here: ``retune.ordering``)."""
+        move_retune_last(trainer)
 
     def _report_trial(self, size: int, fits: bool, peak: int | None) -> None:
         self._trial_no += 1
@@ -473,11 +459,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         if self._disabled or not self.history or not self._is_global_zero:
             return
         if self.verbose:
-            _print(report.format_table(self.history))
-        out = self.out_dir
-        if out is None:
-            folder = compat.log_dir(trainer)  # not trainer.log_dir: a collective, and only rank zero is here
-            out = None if folder is None else Path(folder) / "retune"
+            print_above_bar(report.format_table(self.history))
+        out = report_dir(trainer, self.out_dir)
         if not self.write_report or out is None:
             return
         budgets = [e.budget_bytes for e in self.history if e.budget_bytes is not None]
@@ -487,29 +470,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._say(f"history, CSV and plot in {out}")
 
     def _say(self, message: str, warn: bool = False) -> None:
-        if warn:
-            log.warning(message)
-        else:
-            log.info(message)
-        if (self.verbose or warn) and self._is_global_zero:
-            _print(f"[retune] {message}")
-
-
-def _trigger_state(trigger: Trigger) -> dict[str, Any] | None:
-    state = getattr(trigger, "state_dict", None)
-    return state() if callable(state) else None
-
-
-def _print(message: str) -> None:
-    """Print above a TQDM progress bar instead of through it."""
-    import sys
-
-    try:
-        from tqdm import tqdm
-
-        tqdm.write(message, file=sys.stderr)
-    except ImportError:  # pragma: no cover - Lightning depends on tqdm
-        print(message, file=sys.stderr)
+        say(message, warn, self.verbose, self._is_global_zero)
 
 
 __all__ = ["ScheduledBatchSizeFinder", "Trial"]

@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -77,25 +78,44 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from retune import report
+    from retune import lr_report, report
 
     path = Path(args.history)
+    if _is_lr_history(path):  # ScheduledLRFinder's lr_history.json
+        what, png_name = "learning-rate history", lr_report.PNG_NAME
+        read: Callable[[Path], Any] = lr_report.read_lr_history
+        table: Callable[[Any], str] = lr_report.format_table
+        plot: Callable[[Path, Any], Any] = lr_report.plot_lr_history
+    else:
+        what, png_name = "history", report.PNG_NAME
+        read, plot = report.read_history, report.plot_history
+        table = lambda history: report.format_table(history.events)  # noqa: E731
     try:
-        history = report.read_history(path)
+        history = read(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"error: {path}: cannot read a retune history: {exc}", file=sys.stderr)
+        print(f"error: {path}: cannot read a retune {what}: {exc}", file=sys.stderr)
         return 1
-    print(report.format_table(history.events))
+    print(table(history))
     if args.no_plot:
         return 0
-    png = Path(args.plot) if args.plot else path.parent / report.PNG_NAME  # re-renders a run's own plot
+    png = Path(args.plot) if args.plot else path.parent / png_name  # re-renders a run's own plot
     try:
-        report.plot_history(png, history)
+        plot(png, history)
     except ImportError as exc:
         print(f"error: the plot needs matplotlib ({exc}); pip install matplotlib", file=sys.stderr)
         return 1
     print(f"plot: {png}")
     return 0
+
+
+def _is_lr_history(path: Path) -> bool:
+    """An ``lr_history.json`` of ScheduledLRFinder (the batch-size history has no ``kind``)."""
+    from retune.lr_report import is_lr_history
+
+    try:
+        return is_lr_history(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError):
+        return False  # reported by the batch-size reader with its own message
 
 
 def _positive(text: str) -> int:
@@ -191,13 +211,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "report",
-        help="print the table of searches from a history.json and redraw its plot",
+        help="print the table of searches from a history.json (or lr_history.json) and redraw its plot",
         description="Re-render the table of re-tune events and the batch-size plot from a history.json "
-        "written by a run with ScheduledBatchSizeFinder (or by retune demo).",
+        "written by a run with ScheduledBatchSizeFinder (or by retune demo), or the table of range tests and "
+        "the loss-vs-learning-rate plot from an lr_history.json written by ScheduledLRFinder.",
     )
     p.add_argument("history", metavar="HISTORY_JSON")
     p.add_argument(
-        "--plot", metavar="PNG", default=None, help="where to write the plot (default: batch_size.png beside the JSON)"
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="where to write the plot (default: batch_size.png, or lr_find.png, beside the JSON)",
     )
     p.add_argument("--no-plot", action="store_true", help="print the table only")
     p.set_defaults(func=_report)

@@ -463,23 +463,36 @@ def _eval_step_args(trainer: Any, step: Any, batch: Any, batch_idx: int, dataloa
     return args
 
 
-def training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+ClosureWrapper = Callable[[Callable[[], "torch.Tensor | None"]], Callable[[], "torch.Tensor | None"]]
+
+
+def training_step(
+    trainer: Any, pl_module: Any, batch: Any, batch_idx: int, wrap_closure: ClosureWrapper | None = None
+) -> torch.Tensor | None:
     """One real training step: forward, backward and optimizer step under the trainer's strategy and
     precision (autocast, grad scaler), without the loop's bookkeeping. Under DDP the step runs on the
-    unwrapped module with the reducer kept out (see ``_no_ddp_sync``): same memory, no collectives."""
+    unwrapped module with the reducer kept out (see ``_no_ddp_sync``): same memory, no collectives.
+
+    Returns the step's loss (None when ``training_step`` returned None). ``wrap_closure`` wraps the
+    forward-and-backward closure (automatic optimization), so a caller can act between backward and
+    the optimizer step, before gradient clipping (the range test averages gradients across ranks there).
+    """
     if is_distributed(trainer):
         with _no_ddp_sync(trainer):
-            _training_step(trainer, pl_module, batch, batch_idx)
-    else:
-        _training_step(trainer, pl_module, batch, batch_idx)
+            return _training_step(trainer, pl_module, batch, batch_idx, wrap_closure)
+    return _training_step(trainer, pl_module, batch, batch_idx, wrap_closure)
 
 
-def _training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+def _training_step(
+    trainer: Any, pl_module: Any, batch: Any, batch_idx: int, wrap_closure: ClosureWrapper | None
+) -> torch.Tensor | None:
     strategy = trainer.strategy
     legacy = is_legacy(trainer)
     if not pl_module.automatic_optimization:
-        _forward(trainer, pl_module, batch, batch_idx)  # the user's step does backward and step itself
-        return
+        # the user's step does backward and step itself; what it returns is up to it (a loss, or nothing)
+        output = _forward(trainer, pl_module, batch, batch_idx)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        return loss if isinstance(loss, torch.Tensor) else None
     optimizers = list(trainer.optimizers)
     if len(optimizers) != 1:
         raise RetuneError(
@@ -488,8 +501,11 @@ def _training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> 
         )
     optimizer = optimizers[0]
 
+    losses: list[torch.Tensor | None] = []
+
     def closure() -> torch.Tensor | None:
         loss = _loss_of(_forward(trainer, pl_module, batch, batch_idx))
+        losses.append(loss)
         if loss is None:
             return None
         if legacy:
@@ -498,11 +514,13 @@ def _training_step(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> 
             strategy.backward(loss, optimizer)
         return loss
 
+    run = closure if wrap_closure is None else wrap_closure(closure)
     optimizer.zero_grad(set_to_none=True)
     if legacy:
-        strategy.optimizer_step(optimizer, 0, closure, model=pl_module)
+        strategy.optimizer_step(optimizer, 0, run, model=pl_module)
     else:
-        strategy.optimizer_step(optimizer, closure, model=pl_module)
+        strategy.optimizer_step(optimizer, run, model=pl_module)
+    return losses[-1] if losses else None
 
 
 def _results_owner(trainer: Any) -> Any | None:

@@ -40,6 +40,25 @@ def _free_memory(collect: bool) -> None:
     torch.cuda.empty_cache()
 
 
+def capture_run_state(trainer: Any, pl_module: Any, training: bool = True) -> TrainingSnapshot:
+    """Snapshot what real steps outside the loop can change (see :mod:`retune.snapshot`).
+
+    Training steps can change weights, optimizer state, LR schedulers, the grad scaler and the loops'
+    progress counters; an evaluation step only buffers, train/eval flags, metrics and RNG.
+    """
+    stateful: list[Any] = [*compat.lr_schedulers(trainer), *compat.loop_progress(trainer)] if training else []
+    scaler = compat.grad_scaler(trainer)
+    if scaler is not None and training:
+        stateful.append(scaler)
+    return TrainingSnapshot.capture(
+        pl_module,
+        optimizers=list(trainer.optimizers) if training else [],
+        stateful=stateful,
+        counters=compat.loop_counters(trainer) if training else [],
+        include_params=training,
+    )
+
+
 class Prober:
     """Runs trials for one search. Use as ``with Prober(...).session(): prober.measure(size)``.
 
@@ -77,19 +96,7 @@ class Prober:
     @contextmanager
     def session(self) -> Iterator[Callable[[int], bool]]:
         """Snapshot the training state, yield ``fits(size)``, and always restore on the way out."""
-        trainer = self.trainer
-        training = self.stage == "train"
-        stateful: list[Any] = [*compat.lr_schedulers(trainer), *compat.loop_progress(trainer)] if training else []
-        scaler = compat.grad_scaler(trainer)
-        if scaler is not None and training:
-            stateful.append(scaler)
-        self._snapshot = TrainingSnapshot.capture(
-            self.pl_module,
-            optimizers=list(trainer.optimizers) if training else [],
-            stateful=stateful,
-            counters=compat.loop_counters(trainer) if training else [],
-            include_params=training,
-        )
+        self._snapshot = capture_run_state(self.trainer, self.pl_module, training=self.stage == "train")
         self._trials_run = 0
         try:
             yield self.fits

@@ -291,6 +291,72 @@ class ApplyConfig(_Config):
     )
 
 
+class LRFindConfig(_Config):
+    """The learning-rate range test ``ScheduledLRFinder`` runs when a trigger fires (see ``retune.lr_range``)."""
+
+    min_lr: StrictFloat = Field(1e-7, gt=0.0, allow_inf_nan=False, description="First learning rate of the sweep.")
+    max_lr: StrictFloat = Field(1.0, gt=0.0, allow_inf_nan=False, description="Last learning rate of the sweep.")
+    mode: Literal["exponential", "linear"] = Field(
+        "exponential", description="exponential: rates evenly spaced in log(lr); linear: evenly spaced in lr."
+    )
+    skip_begin: StrictInt = Field(10, ge=0, description="Points of the curve the suggestion ignores at its start.")
+    skip_end: StrictInt = Field(1, ge=0, description="Points of the curve the suggestion ignores at its end.")
+    steps: StrictInt = Field(100, ge=2, description="Training steps (one batch each) in one range test.")
+    early_stop_threshold: Union[Annotated[StrictFloat, Field(gt=1.0, allow_inf_nan=False)], None] = Field(
+        4.0,
+        description="Stop the test once the smoothed loss exceeds this many times its lowest value (a non-finite "
+        "loss always stops it); null: run every step.",
+    )
+    smoothing: StrictFloat = Field(
+        0.98, ge=0.0, lt=1.0, description="Exponential moving average factor for the loss (0: no smoothing)."
+    )
+    suggestion: Literal["valley", "steepest", "min_div10"] = Field(
+        "valley",
+        description="valley: halfway into the longest decreasing stretch of the smoothed loss (fastai); steepest: "
+        "where it falls fastest in log(lr) (Lightning's method); min_div10: the rate at its minimum / 10.",
+    )
+    groups: Union[Literal["new", "all"], tuple[StrictInt, ...]] = Field(
+        "new",
+        description="Param groups a re-tune sets (fit start always tunes all): new: the groups holding parameters "
+        "that were added or unfrozen (all when none were); all; or a list of group indices.",
+    )
+
+    @field_validator("max_lr")
+    @classmethod
+    def _max_above_min(cls, value: float, info: ValidationInfo) -> float:
+        min_lr = info.data.get("min_lr")
+        if min_lr is not None and value <= min_lr:
+            raise ValueError(f"max_lr ({value}) must be greater than min_lr ({min_lr})")
+        return value
+
+    @field_validator("steps")
+    @classmethod
+    def _points_left(cls, value: int, info: ValidationInfo) -> int:
+        skip_begin, skip_end = info.data.get("skip_begin"), info.data.get("skip_end")
+        if skip_begin is not None and skip_end is not None and value < skip_begin + skip_end + 2:
+            raise ValueError(
+                f"steps ({value}) must leave at least 2 points of the curve after skip_begin ({skip_begin}) and "
+                f"skip_end ({skip_end})"
+            )
+        return value
+
+    @field_validator("groups", mode="before")
+    @classmethod
+    def _group_selection(cls, value: object) -> object:
+        if isinstance(value, str):
+            if value not in ("new", "all"):
+                raise ValueError(f"{value!r} is not a group selection; write 'new', 'all' or a list of group indices")
+            return value
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError("list at least one group index, or write 'new' or 'all'")
+            bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+            if bad:
+                raise ValueError(f"group indices are integers >= 0, got {bad[0]!r}")
+            return tuple(value)
+        raise ValueError(f"expected 'new', 'all' or a list of group indices, got {value!r}")
+
+
 class StageBatchArgNames(_Config):
     """Per-stage batch-size attributes, used where the model or datamodule has them."""
 
@@ -322,6 +388,9 @@ class RetuneSchedule(_Config):
         ..., description="When to search (at least one); several firing at one epoch start give one search."
     )
     apply: ApplyConfig = ApplyConfig()
+    lr_find: LRFindConfig = Field(
+        LRFindConfig(), description="The learning-rate range test run by ScheduledLRFinder at the same triggers."
+    )
     stages: tuple[Stage, ...] = Field(
         ("train",),
         description="Which stages' batch sizes to tune (at least one): train and val at the triggers, "

@@ -109,6 +109,7 @@ def test_show_yaml_fills_defaults(capsys: pytest.CaptureFixture[str]) -> None:
         "memory",
         "triggers",
         "apply",
+        "lr_find",
         "stages",
         "stage_batch_arg_names",
     ]

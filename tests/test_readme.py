@@ -65,6 +65,7 @@ def test_reference_block_shows_every_trigger_kind_and_its_fields() -> None:
 def test_reference_block_lists_every_choice() -> None:
     text, _ = _reference()
     choices = ("power", "binsearch", "model", "free", "keep_effective", "none", "linear", "sqrt", "first", "largest")
+    choices += ("exponential", "valley", "steepest", "min_div10", "new", "all")
     for choice in choices:
         assert re.search(rf"\b{choice}\b", text), choice
     for stage in ("train", "val", "test", "predict"):

@@ -43,8 +43,8 @@ CASES: list[Any] = [
     (
         "unknown_top_level_key.yaml",
         "batch_size",
-        "unknown key 'batch_size'; allowed keys: apply, batch_arg_name, memory, search, stage_batch_arg_names, "
-        "stages, triggers, version",
+        "unknown key 'batch_size'; allowed keys: apply, batch_arg_name, lr_find, memory, search, "
+        "stage_batch_arg_names, stages, triggers, version",
     ),
     (
         "typo_steps_per_trail.yaml",

@@ -79,6 +79,18 @@ def test_defaults_are_filled_in() -> None:
         "memory": {"budget": None},
         "triggers": ({"kind": "fit_start"},),
         "apply": {"accumulate": "free", "lr_scaling": "none"},
+        "lr_find": {
+            "min_lr": 1e-7,
+            "max_lr": 1.0,
+            "mode": "exponential",
+            "skip_begin": 10,
+            "skip_end": 1,
+            "steps": 100,
+            "early_stop_threshold": 4.0,
+            "smoothing": 0.98,
+            "suggestion": "valley",
+            "groups": "new",
+        },
         "stages": ("train",),
         "stage_batch_arg_names": {
             "train": "train_batch_size",
@@ -189,6 +201,7 @@ def test_json_schema_has_the_public_fields() -> None:
         "memory",
         "triggers",
         "apply",
+        "lr_find",
         "stages",
         "stage_batch_arg_names",
     }
