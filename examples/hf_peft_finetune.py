@@ -160,7 +160,7 @@ def trainable(module: torch.nn.Module) -> int:
 
 
 class EpochLog(pl.Callback):
-    """One line per epoch: the batch sizes in use (per length bucket), trainable parameters, train loss, val accuracy."""
+    """One line per epoch: the batch sizes in use (per bucket), trainable parameters, train loss, val accuracy."""
 
     def __init__(self, quiet: bool, finder: ScheduledBatchSizeFinder) -> None:
         self.quiet = quiet

@@ -99,7 +99,8 @@ def pad_text(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
     for row, s in enumerate(samples):
         ids[row, : len(s["input_ids"])] = s["input_ids"]
-    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": torch.tensor([s["label"] for s in samples])}
+    labels = torch.tensor([s["label"] for s in samples])
+    return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels}
 
 
 class BertModel(_Freezable):
