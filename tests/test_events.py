@@ -52,6 +52,12 @@ def test_to_dict_fields_and_trials_as_pairs() -> None:
         "mode": "",
         "note": "",
         "micro_batches": 0,
+        "bucket_sizes": [],
+        "bucket_sizes_before": [],
+        "bucket_bounds": [],
+        "bucket_samples": [],
+        "trial_buckets": [],
+        "samples_per_step": 0.0,
     }
     assert set(data) == {f.name for f in dataclasses.fields(RetuneEvent)}
 
