@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -151,6 +152,7 @@ def search_buckets(
     known_fail: Mapping[int, int] | None = None,
     known_fit: Mapping[int, int] | None = None,
     only: Sequence[int] | None = None,
+    tolerance: float = 0.0,
 ) -> BucketSearchResult:
     """Find every bucket's largest fitting batch size (before any margin).
 
@@ -160,6 +162,10 @@ def search_buckets(
     lengths are measured again. ``known_fail``/``known_fit`` are sizes known without a probe (a real
     out-of-memory step, its micro-batches); ``only`` limits the search to some buckets (the others
     keep ``previous``). ``max_trials`` bounds the probes of the whole search.
+
+    ``tolerance`` (a fraction, 0 by default: the exact largest size) accepts a probe that fit within that
+    fraction of the largest size the bucket's own measured line allows, without probing closer (the
+    caller passes the schedule's margin: the precision a margin already gives up).
     """
     count = len(largest)
     if len(uppers) != count:
@@ -182,7 +188,7 @@ def search_buckets(
         _search_without_peaks(order, largest, uppers, measure, start, max_trials, previous, lo, hi, trials)
     else:
         search = _ModelSearch(
-            largest, uppers, measure, limit, start, max_trials, previous, direction, prior, lo, hi, trials
+            largest, uppers, measure, limit, start, max_trials, previous, direction, prior, lo, hi, trials, tolerance
         )
         result.memory = search.run(order)
     # a size that fits longer samples fits shorter ones: carry the best known fit down the lengths
@@ -263,11 +269,13 @@ class _ModelSearch:
         lo: list[int | None],
         hi: list[int | None],
         trials: list[BucketTrial],
+        tolerance: float = 0.0,
     ) -> None:
         self.largest, self.uppers, self.measure, self.limit = largest, uppers, measure, limit
         self.start, self.max_trials, self.previous, self.direction = start, max_trials, previous, direction
         self.prior = prior if prior is not None and len(prior.slopes) == len(largest) else None
         self.lo, self.hi, self.trials = lo, hi, trials
+        self.tolerance = tolerance
         self.points: list[Point] = []
         self.own: dict[int, dict[int, int]] = {b: {} for b in range(len(largest))}
         self.fixed: float | None = None
@@ -293,10 +301,11 @@ class _ModelSearch:
                     self.points.append((size, self.largest[bucket], peak))
                     self.own[bucket][size] = peak
             line = self._own_line(bucket)
-            if line is not None:
-                if bucket == self.anchor and self.fixed is None:
-                    self.fixed = line[0]
-                self.slopes[bucket] = line[1]
+            if line is not None and bucket == self.anchor and self.fixed is None:
+                self.fixed = line[0]
+            measured = self._measured_slope(bucket)
+            if measured is not None and measured > 0:
+                self.slopes[bucket] = measured
             done.append(bucket)
         if self.fixed is None:
             return self.prior
@@ -338,25 +347,54 @@ class _ModelSearch:
         return self.fixed, predicted
 
     def _predicted_slope(self, bucket: int) -> float | None:
-        """Memory per sample of a bucket not measured enough yet: the last search's ratio to the anchor,
-        else the model fitted over every bucket's points, else proportional to the longest sample."""
+        """Memory per sample of a bucket not measured yet in this search.
+
+        After a re-tune's first buckets: its last measured slope, times how much the slopes of the buckets
+        measured so far changed, interpolated over the length (an unfreeze adds memory that grows with
+        the tokens, so the change differs between short and long samples). Else the slopes measured so
+        far, interpolated over the length; else the model fitted over every point; else proportional to
+        the longest sample.
+        """
         anchor = self.anchor
         prior = self.prior
-        anchor_slope = self.slopes.get(anchor) if anchor is not None else None
-        if prior is not None and anchor is not None:
-            old_anchor, old_own = prior.slopes[anchor], prior.slopes[bucket]
-            if old_own is not None and old_anchor:
-                if anchor_slope is not None:
-                    return anchor_slope * old_own / old_anchor
-                if bucket == anchor and self.direction != "down":
-                    return old_own  # same memory as last time until a second point says otherwise
+        old = prior.slopes[bucket] if prior is not None else None
+        if prior is not None and old is not None:
+            changes = [
+                (self.largest[b], now / was)
+                for b, now in self.slopes.items()
+                if (was := prior.slopes[b]) is not None and was > 0 and now > 0
+            ]
+            if changes:
+                return old * _interpolate(changes, self.largest[bucket])
+            if bucket == anchor and self.direction != "down":
+                return old  # same memory as last time until a second point says otherwise
+        measured = [(self.largest[b], slope) for b, slope in self.slopes.items()]
+        if len({x for x, _ in measured}) >= 2:
+            return _interpolate(measured, self.largest[bucket])  # between the lengths measured so far
         model = fit_model(self.points)
         lengths = {s for _, s, _ in self.points}
         if model is not None and len(lengths) >= 2 and model.slope(self.largest[bucket]) > 0:
             return model.slope(self.largest[bucket])
+        anchor_slope = self.slopes.get(anchor) if anchor is not None else None
         if anchor_slope is not None and anchor is not None and self.largest[anchor] > 0:
             return anchor_slope * self.largest[bucket] / self.largest[anchor]
         return None
+
+    def _measured_slope(self, bucket: int) -> float | None:
+        """The bucket's memory per sample from its own probes: through the shared fixed memory and its
+        largest fitting point (the anchor: its line's slope). None when it was not probed."""
+        own = self.own[bucket]
+        if not own:
+            return None
+        line = self._own_line(bucket)
+        if bucket == self.anchor or self.fixed is None:
+            return None if line is None else line[1]
+        fitting = [b for b, p in own.items() if p <= self.limit]
+        size = max(fitting) if fitting else min(own)
+        peak = own[size]
+        if peak <= self.fixed:
+            return None if line is None else line[1]
+        return (peak - self.fixed) / size
 
     def _next(self, bucket: int) -> int | None:
         lo, hi, upper = self.lo[bucket], self.hi[bucket], self.uppers[bucket]
@@ -372,7 +410,14 @@ class _ModelSearch:
             intercept, slope = line
             if lo is not None and lo in own and own[lo] + slope > self.limit:
                 return None  # measured at lo, and one more sample would pass the limit
-            candidate = int((self.limit - intercept) // slope) if slope > 0 else upper
+            predicted = int((self.limit - intercept) // slope) if slope > 0 else upper
+            if lo is not None and lo in own and lo >= min(predicted, upper) * (1 - self.tolerance):
+                return None  # measured at lo, within the tolerance of the largest its own line allows
+            candidate = predicted
+            if not own and self.tolerance > 0:
+                # a prediction from other buckets: aim at the middle of the tolerance band, so a prediction
+                # that errs by less than half the tolerance either way is accepted with this one probe
+                candidate = max(1, int(predicted * (1 - self.tolerance / 2)))
             if lo is not None and candidate <= lo:
                 candidate = lo + 1
         if hi is not None and candidate >= hi:
@@ -401,6 +446,19 @@ class _ModelSearch:
         if self.direction == "down":
             return max(1, before // 4)  # the old size most likely fails now, and a real OOM leaves no peak
         return before
+
+
+def _interpolate(points: list[tuple[int, float]], x: int) -> float:
+    """Piecewise-linear ``y(x)`` through ``(x, y)`` points, constant beyond the ends."""
+    ordered = sorted(points)
+    if x <= ordered[0][0]:
+        return ordered[0][1]
+    if x >= ordered[-1][0]:
+        return ordered[-1][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(ordered):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ordered[-1][1]  # pragma: no cover - the loop covers every x inside the range
 
 
 def _nearest_pair(own: Mapping[int, int], limit: int) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -224,6 +224,7 @@ class TrainBuckets:
         max_trials: int,
         max_val: int,
         margin_of: Any,
+        tolerance: float,
         steps: int,
         direction: Direction,
         cold: bool,
@@ -272,6 +273,7 @@ class TrainBuckets:
                     b: min(fitting, failed - 1) for b, (fitting, failed) in failures.items() if fitting < failed
                 },
                 only=only,
+                tolerance=tolerance,
             )
         sizes: list[int | None] = [None if found is None else margin_of(found) for found in result.found]
         # after the margin, too: a size that fits longer samples fits shorter ones (up to a bucket's own count)

@@ -190,6 +190,7 @@ def search_stage(
                     max_trials=config.max_trials,
                     max_val=config.max_val,
                     margin_of=lambda found: apply_margin(plan, found),
+                    tolerance=config.margin,
                     steps=config.steps_per_trial,
                     direction=direction,
                     cold=cold,

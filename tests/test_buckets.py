@@ -311,3 +311,38 @@ def test_model_fit_and_memory_round_trip() -> None:
     assert SizeModel.from_list(model.to_list()) == model
     memory = BucketMemory(1.0, (2.0, None), model)
     assert BucketMemory.from_dict(memory.to_dict()) == memory
+
+
+def test_a_bert_like_retune_with_capped_buckets_within_buckets_plus_4_trials_at_the_margin() -> None:
+    """Attention-like memory with the short buckets capped by their sample counts; after the unfreeze the
+    per-sample memory grows more for short samples than for long ones, so the last search's ratios mislead
+    and the change is interpolated over the length. With the tolerance of a 5% margin every size is
+    within 5% of the largest that fits, in at most buckets + 4 trials."""
+    lengths, uppers = (25, 37, 47, 56, 64, 493), (142, 144, 200, 200, 200, 10)
+
+    def device(fixed: float, c0: float, c1: float, c2: float):  # type: ignore[no-untyped-def]
+        def measure(bucket: int, size: int) -> tuple[bool, int | None]:
+            s = lengths[bucket]
+            peak = int(fixed + size * (c0 + c1 * s + c2 * s * s))
+            return peak <= LIMIT, peak
+
+        return measure
+
+    frozen, unfrozen = device(2e6, 20_000, 1500, 30), device(3e6, 60_000, 6000, 60)
+    cold = search_buckets(lengths, uppers, frozen, LIMIT, start=2, max_trials=25, tolerance=0.05)
+    retune = search_buckets(
+        lengths,
+        uppers,
+        unfrozen,
+        LIMIT,
+        start=2,
+        max_trials=25,
+        previous=cold.found,
+        direction="down",
+        prior=cold.memory,
+        tolerance=0.05,
+    )
+    assert len(retune.trials) <= len(lengths) + 4
+    for bucket, size in enumerate(retune.found):
+        best = max(b for b in range(1, uppers[bucket] + 1) if unfrozen(bucket, b)[0])
+        assert size is not None and best * 0.95 <= size <= best
