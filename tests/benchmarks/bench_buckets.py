@@ -285,6 +285,50 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, per workload and epoch: buckets stay within the budget, carry >= 3x the samples
+    per step of ``largest`` and train the epoch faster; a re-tune of every bucket takes <= buckets + 4 trials."""
+    checks = []
+    for workload, modes in results.items():
+        buckets, largest = modes["buckets"], modes["largest"]
+        for epoch, (b, big) in enumerate(zip(buckets["epochs"], largest["epochs"], strict=True)):
+            checks += [
+                {
+                    "workload": workload,
+                    "epoch": epoch,
+                    "target": "worst real step <= budget",
+                    "value": b["worst_peak_over_budget"],
+                    "pass": b["worst_peak_over_budget"] <= 1.0,
+                },
+                {
+                    "workload": workload,
+                    "epoch": epoch,
+                    "target": "samples/step >= 3x largest",
+                    "value": round(b["samples_per_step"] / big["samples_per_step"], 2),
+                    "pass": b["samples_per_step"] >= 3 * big["samples_per_step"],
+                },
+                {
+                    "workload": workload,
+                    "epoch": epoch,
+                    "target": "epoch faster than largest",
+                    "value": round(big["seconds"] / b["seconds"], 2),
+                    "pass": b["seconds"] < big["seconds"],
+                },
+            ]
+        retune = buckets["searches"][-1]
+        count = len(retune["bucket_sizes"])
+        checks.append(
+            {
+                "workload": workload,
+                "epoch": 1,
+                "target": "re-tune trials <= buckets + 4",
+                "value": f"{retune['trials']} <= {count + 4}",
+                "pass": retune["trials"] <= count + 4,
+            }
+        )
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -294,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     results = run(args.workloads)
+    checks = targets(results)
     out = {
+        "targets": checks,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "lightning": NAMESPACE,
@@ -304,6 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "buckets.json").write_text(json.dumps(out, indent=2))
     print(table(results))
+    for check in checks:
+        print(
+            f"{'PASS' if check['pass'] else 'FAIL'}  {check['workload']} epoch {check['epoch']}: "
+            f"{check['target']} ({check['value']})"
+        )
     return 0
 
 
