@@ -252,11 +252,11 @@ def one_fit(workload: str, mode: str, peaks: bool) -> dict[str, Any]:
     return {"searches": searches, "epochs": epochs}
 
 
-def run(workloads: list[str]) -> dict[str, Any]:
-    results: dict[str, Any] = {}
+def run(workloads: list[str], modes: tuple[str, ...] = MODES, results: dict[str, Any] | None = None) -> dict[str, Any]:
+    results = {} if results is None else results
     for workload in workloads:
-        results[workload] = {}
-        for mode in MODES:
+        results.setdefault(workload, {})
+        for mode in modes:
             measured = one_fit(workload, mode, peaks=True)
             timed = one_fit(workload, mode, peaks=False)
             for m, t in zip(measured["epochs"], timed["epochs"], strict=True):
@@ -332,12 +332,22 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=list(MODES),
+        choices=list(MODES),
+        help="run only these; the others' results are kept from the existing results file",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    results = run(args.workloads)
+    previous = RESULTS / "buckets.json"
+    kept = json.loads(previous.read_text())["results"] if set(args.modes) != set(MODES) and previous.exists() else {}
+    results = run(args.workloads, tuple(args.modes), kept)
+    results = {w: {m: results[w][m] for m in MODES if m in results[w]} for w in results}
     checks = targets(results)
     out = {
         "targets": checks,
