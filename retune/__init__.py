@@ -7,6 +7,7 @@
 from retune.errors import RetuneError, ScheduleError
 from retune.events import RetuneEvent, Trial
 from retune.loading import load_schedule
+from retune.messages import RetuneWarning
 from retune.schedule import RetuneSchedule
 from retune.triggers import TrainingView, Trigger
 
@@ -16,6 +17,7 @@ __all__ = [
     "RetuneError",
     "RetuneEvent",
     "RetuneSchedule",
+    "RetuneWarning",
     "ScheduleError",
     "ScheduledBatchSizeFinder",
     "ScheduledLRFinder",

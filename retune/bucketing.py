@@ -275,7 +275,9 @@ class TrainBuckets:
                 only=only,
                 tolerance=tolerance,
             )
-        sizes: list[int | None] = [None if found is None else margin_of(found) for found in result.found]
+        sizes: list[int | None] = [
+            None if found is None else margin_of(found, found < uppers[b]) for b, found in enumerate(result.found)
+        ]
         # after the margin, too: a size that fits longer samples fits shorter ones (up to a bucket's own count)
         best: int | None = None
         for bucket in sorted(range(buckets.count), key=lambda b: -buckets.largest[b]):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from retune import compat, report
+from retune import compat, hook_calls, messages, report
 from retune.attrs import duplicate_attr_message, loader_batch_size
 from retune.bucketing import BucketState, TrainBuckets
 from retune.callback_io import load_trigger_states, print_above_bar, report_dir, say, trigger_states
@@ -28,6 +28,7 @@ from retune.recovery import EvalStepRecovery, Recovered, TrainStepRecovery
 from retune.search import Direction
 from retune.split import SplitFn
 from retune.stage_search import Policies, StageState, search_stage
+from retune.step_timer import Clock
 from retune.triggers import OutOfMemory, TrainingView, Trigger, build_triggers, evaluate
 from retune.view import training_view
 
@@ -51,6 +52,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             micro-batches: ``fn(batch, pieces) -> list of micro-batches`` (see :mod:`retune.split`).
         sample_size: ``fn(sample) -> int``, the size of ``dataset[i]`` that ``search.probe_samples: largest``
             ranks samples by (default: the number of elements in its tensors, numbers and strings).
+        clock: with ``search.objective: throughput``, the timer probe steps are read with (default
+            ``time.perf_counter``); a simulation or a test passes one that advances by a known step time.
 
     Example::
 
@@ -78,8 +81,10 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         write_report: bool = True,
         split_batch: SplitFn | None = None,
         sample_size: Callable[[Any], int] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.schedule = load_schedule(schedule)
+        self.clock = clock
         self.probe_batches = ProbeBatches.from_schedule(self.schedule, schedule, sample_size, say=self._say)
         search = self.schedule.search
         self._buckets = TrainBuckets(search.buckets, self.probe_batches) if search.batching == "buckets" else None
@@ -125,6 +130,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
+        messages.set_rank(int(getattr(trainer, "global_rank", 0)))
         self._disabled = bool(trainer.fast_dev_run)
         if self._disabled:
             self._say("fast_dev_run is on: skipping every batch-size search in this run", warn=True)
@@ -137,6 +143,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             if tuned == "val" and stage == "fit" and not self._separate_val(trainer, pl_module):
                 continue
             compat.check_source(trainer, tuned)
+            hook_calls.check_probeable(trainer, pl_module, tuned)
             name = self._attr(trainer, pl_module, tuned)
             if not compat.has_batch_attr(trainer, pl_module, name):
                 raise RetuneError(
@@ -380,6 +387,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             on_trial=self._report_trial,
             say=self._say,
             before_plan=lambda loader: self._warn_duplicate_attr(trainer, pl_module, name, stage, loader),
+            clock=self.clock,
             buckets=self._buckets if stage == "train" else None,
         )
         self.history.append(event)
@@ -432,10 +440,10 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         a ``ScheduledLRFinder``, whose range test runs at the batch size found here: ``retune.ordering``)."""
         move_retune_last(trainer)
 
-    def _report_trial(self, size: int, fits: bool, peak: int | None) -> None:
+    def _report_trial(self, size: int, fits: bool, peak: int | None, samples_per_s: float | None = None) -> None:
         self._trial_no += 1
         bucket = None if self._buckets is None else self._buckets.current_bucket
-        self._say("  " + report.format_trial(self._trial_no, size, fits, peak, bucket=bucket))
+        self._say("  " + report.format_trial(self._trial_no, size, fits, peak, samples_per_s, bucket=bucket))
 
     def _log_event(self, trainer: Any, event: RetuneEvent) -> None:
         """Send a search's result to every logger, at the step it ran (the probes are over: loggers are back).
@@ -470,6 +478,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._say(f"history, CSV and plot in {out}")
 
     def _say(self, message: str, warn: bool = False) -> None:
+        """A warning (always, once) or, when ``verbose``, a progress line; rank zero only (``retune.messages``)."""
         say(message, warn, self.verbose, self._is_global_zero)
 
 

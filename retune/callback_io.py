@@ -7,36 +7,28 @@ in checkpoints; one implementation of each, here.
 
 from __future__ import annotations
 
-import logging
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from retune import compat
+from retune import compat, messages
 from retune.triggers import Trigger
-
-log = logging.getLogger("retune")
 
 
 def print_above_bar(message: str) -> None:
     """Print above a TQDM progress bar instead of through it."""
-    try:
-        from tqdm import tqdm
-
-        tqdm.write(message, file=sys.stderr)
-    except ImportError:  # pragma: no cover - Lightning depends on tqdm
-        print(message, file=sys.stderr)
+    messages.print_line(message)
 
 
 def say(message: str, warn: bool, verbose: bool, is_global_zero: bool) -> None:
-    """Log ``message``; print it (``[retune] ...``) on rank zero when verbose, and always when it is a warning."""
+    """A warning (a ``RetuneWarning``, whatever ``verbose`` says) or, when verbose, a ``[retune]`` progress
+    line; on rank zero only, each printed once (``retune.messages``: not also logged, which printed twice)."""
+    if not is_global_zero:
+        return
     if warn:
-        log.warning(message)
-    else:
-        log.info(message)
-    if (verbose or warn) and is_global_zero:
-        print_above_bar(f"[retune] {message}")
+        messages.warn(message)
+    elif verbose:
+        messages.progress(message)
 
 
 def report_dir(trainer: Any, out_dir: Path | None) -> Path | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import contextmanager
 from functools import cache
 from itertools import islice
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from retune import combined_loaders, hook_calls
 from retune.errors import RetuneError
 
 _NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
@@ -194,8 +195,12 @@ def reload_dataloader(trainer: Any, stage: str) -> None:
 
 
 def batch_to_device(trainer: Any, pl_module: Any, batch: Any, dataloader_idx: int | None = None) -> Any:
-    """The same transfer the loops do: ``on_before_batch_transfer``, then the strategy's. The hooks get
-    the batch's ``dataloader_idx`` (0 where the step does not take one, as Lightning passes them)."""
+    """The same transfer the loops do: on 2.x the precision's ``convert_input`` (``16-true``, ``64-true``
+    cast the inputs), then ``on_before_batch_transfer``, then the strategy's. The hooks get the batch's
+    ``dataloader_idx`` (0 where the step does not take one, as Lightning passes them)."""
+    convert_input = getattr(trainer.precision_plugin, "convert_input", None)
+    if convert_input is not None and not is_legacy(trainer):
+        batch = convert_input(batch)
     batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx or 0)
     return trainer.strategy.batch_to_device(batch, dataloader_idx=dataloader_idx or 0)
 
@@ -206,14 +211,15 @@ def probe_batches(
     """The batches of one trial, as the stage's loop feeds them: ``(batch, batch_idx, dataloader_idx)``.
 
     ``dataloader_idx`` is None where the loop does not pass one to the step. Training: ``steps``
-    batches of what ``train_dataloader()`` returned, several loaders combined (``iterate_batches``).
+    batches of what ``train_dataloader()`` returned, combined as the fit loop combines it
+    (``combined_loaders.train_batches``: the user's ``CombinedLoader`` in its own mode).
     Evaluation: up to ``steps`` batches of each loader, one loader after another (``eval_batches``).
     Close the generator to end its loaders' workers.
     """
     if stage != "train":
         yield from eval_batches(trainer, stage, loader, steps)
         return
-    batches = iterate_batches(loader)
+    batches = combined_loaders.train_batches(trainer, loader)
     try:
         for batch_idx in range(steps):
             yield next(batches), batch_idx, None
@@ -237,19 +243,9 @@ def eval_dataloaders(trainer: Any, loaders: Any) -> tuple[list[Any], bool]:
     combined_loader = _module(namespace_of(trainer) + ".utilities.combined_loader").CombinedLoader
     combined = loaders if isinstance(loaders, combined_loader) else combined_loader(loaders, "sequential")
     if combined._mode != "sequential":
-        return [_CombinedBatches(combined)], False
+        return [combined_loaders.Batches(combined)], False
     flat = list(combined.flattened)
     return flat, len(flat) > 1
-
-
-class _CombinedBatches:
-    """The batches of a 2.x ``CombinedLoader``, whose iterator yields ``(batch, batch_idx, dataloader_idx)``."""
-
-    def __init__(self, combined: Any) -> None:
-        self.combined = combined
-
-    def __iter__(self) -> Iterator[Any]:
-        return (batch for batch, _, _ in self.combined)
 
 
 def eval_batches(
@@ -267,49 +263,9 @@ def eval_batches(
         raise RetuneError(f"the {stage} dataloaders yielded no batches, so no {stage} batch size can be probed")
 
 
-def iterate_batches(loader: Any) -> Generator[Any, None, None]:
-    """Batches from what ``train_dataloader()`` returned: one loader, or a dict/list of loaders
-    combined the way Lightning's default ``max_size_cycle`` does (each cycled, batches zipped)."""
-    if isinstance(loader, Mapping):
-        iters = {key: _cycle(value) for key, value in loader.items()}
-        while True:
-            yield {key: next(it) for key, it in iters.items()}
-    if isinstance(loader, Sequence) and not isinstance(loader, (str, bytes)) and _all_iterable(loader):
-        seq = [_cycle(value) for value in loader]
-        while True:
-            yield [next(it) for it in seq]
-    yield from _cycle(loader)
-
-
-def _all_iterable(items: Sequence[Any]) -> bool:
-    return len(items) > 0 and all(hasattr(item, "__iter__") and not isinstance(item, torch.Tensor) for item in items)
-
-
-def _cycle(loader: Any) -> Generator[Any, None, None]:
-    while True:
-        empty = True
-        for batch in loader:
-            empty = False
-            yield batch
-        if empty:
-            raise RetuneError("the train dataloader yielded no batches, so no batch size can be probed")
-
-
 def dataset_length(loader: Any, world_size: int) -> int | None:
-    """Samples one rank sees per epoch, when the dataset has a length (None for iterable datasets)."""
-    loaders = list(loader.values()) if isinstance(loader, Mapping) else [loader]
-    if isinstance(loader, Sequence) and _all_iterable(loader):
-        loaders = list(loader)
-    lengths = []
-    for dl in loaders:
-        dataset = getattr(dl, "dataset", None)
-        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
-            return None
-        try:
-            lengths.append(-(-len(dataset) // max(world_size, 1)))
-        except TypeError:
-            return None
-    return max(lengths) if lengths else None
+    """Samples one rank sees per epoch (see ``combined_loaders.dataset_length``)."""
+    return combined_loaders.dataset_length(loader, world_size)
 
 
 # -- running one training step outside the loop ------------------------------------------------
@@ -421,11 +377,12 @@ def _no_ddp_sync(trainer: Any) -> Iterator[None]:
 
 
 def _forward(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> Any:
+    """The user's ``training_step``, with the arguments Lightning would pass it (``hook_calls``)."""
     strategy = trainer.strategy
     if is_distributed(trainer):
         with strategy.precision_plugin.train_step_context():
-            return pl_module.training_step(batch, batch_idx)
-    return strategy.training_step(batch, batch_idx)
+            return hook_calls.call_step(trainer, pl_module, "train", batch, batch_idx)
+    return strategy.training_step(*hook_calls.step_args(trainer, pl_module, "train", batch, batch_idx))
 
 
 _EVAL_STEPS = {"val": ("validation_step", "val_step_context"), "test": ("test_step", "test_step_context")}
@@ -441,26 +398,14 @@ def run_step(
     if stage == "train":
         training_step(trainer, pl_module, batch, batch_idx)
         return
-    step_name, context_name = _EVAL_STEPS[stage]
+    _, context_name = _EVAL_STEPS[stage]
     precision = trainer.strategy.precision_plugin
     use_inference_mode = (
         trainer._inference_mode if is_legacy(trainer) else getattr(_eval_loop(trainer, stage), "inference_mode", True)
     )
     no_grad = torch.inference_mode() if use_inference_mode else torch.no_grad()
     with no_grad, getattr(precision, context_name)():
-        step = getattr(pl_module, step_name)
-        step(*_eval_step_args(trainer, step, batch, batch_idx, dataloader_idx))
-
-
-def _eval_step_args(trainer: Any, step: Any, batch: Any, batch_idx: int, dataloader_idx: int | None) -> list[Any]:
-    """The evaluation step's positional arguments as Lightning builds them: ``dataloader_idx`` last
-    unless None, and on 2.x no ``batch_idx`` for a step whose signature does not take it."""
-    args = [batch, batch_idx] if dataloader_idx is None else [batch, batch_idx, dataloader_idx]
-    if not is_legacy(trainer):
-        signature = _module(namespace_of(trainer) + ".utilities.signature_utils")
-        if not signature.is_param_in_hook_signature(step, "batch_idx", min_args=2):
-            del args[1]
-    return args
+        hook_calls.call_step(trainer, pl_module, stage, batch, batch_idx, dataloader_idx)
 
 
 ClosureWrapper = Callable[[Callable[[], "torch.Tensor | None"]], Callable[[], "torch.Tensor | None"]]
@@ -795,14 +740,12 @@ def wrap_eval_step(
 ) -> Callable[[], None]:
     """Replace the module's ``*_step`` for ``stage`` on this instance with ``wrap(step)``; returns the undo.
 
-    The wrapper keeps the step's signature (``functools.wraps``), which Lightning inspects to decide
-    whether to pass ``dataloader_idx``.
+    The wrapper keeps what Lightning inspects of the step's signature (``hook_calls.keep_signature``),
+    so Lightning passes it the same ``batch_idx``/``dataloader_idx`` it would pass the step.
     """
-    import functools
-
     name = _EVAL_STEP_NAMES[stage]
     step = getattr(pl_module, name)
-    wrapped = functools.wraps(step)(wrap(step))
+    wrapped = hook_calls.keep_signature(wrap(step), step)
     object.__setattr__(pl_module, name, wrapped)
 
     def undo() -> None:

@@ -50,6 +50,14 @@ class RetuneEvent:
     micro_batches: int = 0
     """For a recovered out-of-memory step (trigger ``oom``): how many micro-batches the batch trained as.
     0 for a search. Such an event has no trials and leaves the batch size as it was."""
+    objective: str = "largest"
+    """``largest`` (the largest size that fits) or ``throughput`` (the fitting size with the most samples/s)."""
+    samples_per_s: list[float | None] = field(default_factory=list)
+    """With ``throughput``: samples per second of each trial, in the order of ``trials``, from its steady
+    steps (the first step of a trial warms up), the slowest rank's under DDP; None where it failed or
+    was not timed. Empty for ``largest``."""
+    largest: int | None = None
+    """With ``throughput``: the size ``largest`` would have applied (the largest that fit, margin included)."""
 
     bucket_sizes: list[int] = field(default_factory=list)
     """``search.batching: buckets``: the train batch size of each length bucket after the search, shortest

@@ -11,13 +11,12 @@ steps) and :mod:`retune.lr_apply` (setting the rate); this module is the hooks.
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from retune import compat, lr_report
+from retune import compat, lr_report, messages
 from retune.callback_io import load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.errors import RetuneError
 from retune.loading import ScheduleSource, load_schedule
@@ -28,8 +27,6 @@ from retune.lr_range import GroupInfo, RangeTest, new_groups, select_groups, sug
 from retune.ordering import move_retune_last
 from retune.triggers import Firing, Trigger, build_triggers, evaluate
 from retune.view import group_infos, training_view
-
-log = logging.getLogger("retune")
 
 if TYPE_CHECKING:
     _BASES: tuple[type, ...] = (object,)
@@ -104,6 +101,7 @@ class ScheduledLRFinder(*_BASES):  # type: ignore[misc]
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
+        messages.set_rank(int(getattr(trainer, "global_rank", 0)))
         self._disabled = bool(trainer.fast_dev_run)
         if self._disabled:
             self._say("fast_dev_run is on: skipping every learning-rate range test in this run", warn=True)

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retune import messages
 from retune.lr_events import LRFindEvent
 from retune.report import PLOT_DPI, PLOT_SIZE_PX, PathLike
-
-log = logging.getLogger("retune")
 
 KIND = "lr_find"
 FORMAT_VERSION = 1
@@ -117,7 +115,7 @@ def write_outputs(events: Sequence[LRFindEvent], out_dir: PathLike, plot: bool =
         try:
             png = plot_lr_history(out / PNG_NAME, events)
         except ImportError as exc:
-            log.warning("retune: not writing %s (%s); install matplotlib for the plot", out / PNG_NAME, exc)
+            messages.warn(f"not writing {out / PNG_NAME} ({exc}); install matplotlib for the plot")
     return LROutputPaths(json_path, csv_path, png)
 
 

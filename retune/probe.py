@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -23,6 +23,12 @@ from retune.errors import RetuneError
 from retune.memory import measure_peak, tensor_bytes
 from retune.oom import is_oom_error
 from retune.snapshot import TrainingSnapshot, sampler_generators
+from retune.split import SplitError, batch_length
+from retune.step_timer import Clock, default_clock, timed
+from retune.throughput import samples_per_second, steady
+
+TrialReport = Callable[[int, bool, int | None, float | None], None]
+"""``on_trial(size, fits, peak_bytes, samples_per_s)``, called after every trial on every rank."""
 
 
 def _free_memory(collect: bool) -> None:
@@ -73,10 +79,12 @@ class Prober:
         batch_arg_name: str,
         steps_per_trial: int,
         budget_bytes: int | None = None,
-        on_trial: Callable[[int, bool, int | None], None] | None = None,
+        on_trial: TrialReport | None = None,
         stage: str = "train",
         track_memory: bool = True,
         arrange: Callable[[Any], Any] | None = None,
+        time_steps: bool = False,
+        clock: Clock | None = None,
     ) -> None:
         self.trainer = trainer
         self.pl_module = pl_module
@@ -90,6 +98,13 @@ class Prober:
         """Turns the loader the hook returned into the one a trial iterates (``search.probe_samples``)."""
         self.peaks: list[int | None] = []
         """Measured peak of each trial, in order (None where no statistic exists or the trial hit a real OOM)."""
+        self.time_steps = time_steps
+        self.clock = clock or default_clock
+        self.step_times: list[list[float] | None] = []
+        """With ``time_steps``: the seconds of each step of each trial, in trial order, the slowest rank's
+        under DDP (None where the trial failed or its steps were not timed)."""
+        self._untracked = False  # time() runs its trials without the CPU memory tracker
+        self._times: list[float] | None = None  # the current trial's step seconds
         self._snapshot: TrainingSnapshot | None = None
         self._trials_run = 0  # in the current session
 
@@ -113,6 +128,19 @@ class Prober:
         """Run one trial at ``size``; False when it runs out of memory or exceeds the budget."""
         return self.measure(size)[0]
 
+    def time(self, size: int) -> tuple[bool, list[float]]:
+        """Run one trial at ``size`` for its timings alone: ``(fits, steady step seconds)``.
+
+        For sizes already known to fit (below the largest that fit), so no budget applies. On a CPU the
+        memory tracker slows every operator and would distort the timings, so it is left off here.
+        """
+        self._untracked = True
+        try:
+            ok, _ = self.measure(size)
+        finally:
+            self._untracked = False
+        return ok, steady(self.step_times[-1])
+
     def measure(self, size: int) -> tuple[bool, int | None]:
         """Run one trial at ``size``: whether it fits, and its peak memory when measurable.
 
@@ -123,7 +151,9 @@ class Prober:
         """
         status, peak, error = self._local_trial(size)
         message = "" if error is None else f"{type(error).__name__}: {error}"
-        outcomes = compat.all_gather_object(self.trainer, (status, peak, message))
+        times = self._times if status == "fits" else None
+        gathered = compat.all_gather_object(self.trainer, (status, peak, message, times))
+        outcomes = [(state, rank_peak, text) for state, rank_peak, text, _ in gathered]
         failed = [(rank, text) for rank, (state, _, text) in enumerate(outcomes) if state == "error"]
         if failed:
             if error is not None:
@@ -136,8 +166,10 @@ class Prober:
         if ok and agreed_peak is not None and self.budget_bytes is not None and agreed_peak > self.budget_bytes:
             ok = False  # ran, but needs more than the budget allows
         self.peaks.append(agreed_peak)
+        agreed_times = _slowest_rank([t for _, _, _, t in gathered]) if ok else None
+        self.step_times.append(agreed_times)
         if self.on_trial is not None:
-            self.on_trial(size, ok, agreed_peak)
+            self.on_trial(size, ok, agreed_peak, samples_per_second(size, steady(agreed_times)))
         return ok, agreed_peak
 
     def _local_trial(self, size: int) -> tuple[str, int | None, BaseException | None]:
@@ -146,6 +178,7 @@ class Prober:
         compat.set_batch_attr(self.trainer, self.pl_module, self.batch_arg_name, size)
         generators: list[tuple[torch.Generator, torch.Tensor]] = []
         status, error, peak = "fits", None, None
+        self._times = None
         try:
             if self._trials_run:
                 self._snapshot.reset()  # start from the captured state, not the previous trial's
@@ -155,7 +188,7 @@ class Prober:
             if self.arrange is not None:
                 loader = self.arrange(loader)
             with compat.hooks_isolated(self.trainer, self.pl_module, self.stage):
-                peak = self._run_steps(loader)
+                peak = self._run_steps(loader, size)
         except BaseException as exc:
             if is_oom_error(exc):
                 status = "oom"
@@ -171,7 +204,7 @@ class Prober:
                 generator.set_state(state)
         return status, (peak if status == "fits" else None), error
 
-    def _run_steps(self, loader: Any) -> int | None:
+    def _run_steps(self, loader: Any, size: int) -> int | None:
         """Run the steps; return the largest step peak (None when not tracked or not measurable).
 
         An evaluation stage with several dataloaders runs ``steps_per_trial`` steps on each, one loader
@@ -181,6 +214,9 @@ class Prober:
         Only the step is measured, from the device transfer on: the dataloader's own work (collate,
         per-sample conversion) is host-side and, under the CPU tracker, slow to trace. On CPU the
         batch the loader produced is added to the step's peak, since there it is the step's memory.
+
+        With ``time_steps`` each step whose batch holds ``size`` samples is timed: a short last batch of
+        a small dataset (the loader cycles) would time another size.
         """
         batches = compat.probe_batches(self.trainer, self.stage, loader, self.steps_per_trial)  # close() ends workers
         device = self.pl_module.device
@@ -188,16 +224,21 @@ class Prober:
         if self.stage != "train":
             self.pl_module.eval()  # the snapshot puts the train/eval flags back
         peak: int | None = None
+        track = self.track_memory and not (self._untracked and device.type == "cpu")
+        # the CPU tracker's Python dispatch slows every operator: steps it measures are not timed
+        times: list[float] | None = [] if self.time_steps and not (track and device.type == "cpu") else None
+        self._times = times
         try:
             for raw, batch_idx, dataloader_idx in batches:
-                if not self.track_memory:
+                with ExitStack() as stack:
+                    reading = stack.enter_context(measure_peak(device, self.pl_module, optimizers)) if track else None
+                    if times is not None and _holds(raw, size):
+                        stack.enter_context(timed(device, self.clock, times))
                     batch = compat.batch_to_device(self.trainer, self.pl_module, raw, dataloader_idx)
                     compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx, dataloader_idx)
+                if reading is None:
                     del batch, raw
                     continue
-                with measure_peak(device, self.pl_module, optimizers) as reading:
-                    batch = compat.batch_to_device(self.trainer, self.pl_module, raw, dataloader_idx)
-                    compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx, dataloader_idx)
                 step_peak = reading.peak_bytes
                 if step_peak is not None and device.type == "cpu":
                     step_peak += tensor_bytes(raw)
@@ -207,3 +248,22 @@ class Prober:
         finally:
             batches.close()
         return peak
+
+
+def _holds(batch: Any, size: int) -> bool:
+    """Whether ``batch`` holds ``size`` samples (True when its length cannot be told)."""
+    try:
+        length = batch_length(batch)
+    except SplitError:
+        return True
+    return length is None or length == size
+
+
+def _slowest_rank(per_rank: list[list[float] | None]) -> list[float] | None:
+    """Step by step, the slowest rank's seconds: under DDP every rank waits for the slowest at each step.
+
+    None when any rank has no timings (steps not timed); truncated to the rank with the fewest steps.
+    """
+    if not per_rank or any(times is None for times in per_rank):
+        return None
+    return [max(step) for step in zip(*[t for t in per_rank if t is not None], strict=False)]

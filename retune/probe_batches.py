@@ -20,7 +20,6 @@ so any rank can meet the longest sample, and no rank needs to communicate to agr
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
@@ -34,15 +33,20 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from retune import messages
+from retune.combined_loaders import is_combined_loader
 from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.samples import SizeCache, SizeFn, default_sample_size, preserved_rng, resolve_size_fn, size_spread
 from retune.schedule import RetuneSchedule
 
-log = logging.getLogger("retune")
 
-
-def _log(message: str, warn: bool = False) -> None:
-    log.log(logging.WARNING if warn else logging.INFO, message)
+def _holds_loaders(item: Any) -> bool:
+    """A loader, or a dict/list/tuple/``CombinedLoader`` of them (not a batch's tensors)."""
+    if isinstance(item, DataLoader) or is_combined_loader(item):
+        return True
+    if isinstance(item, Mapping):
+        return all(_holds_loaders(v) for v in item.values())
+    return isinstance(item, (list, tuple)) and bool(item) and all(_holds_loaders(v) for v in item)
 
 
 class _FixedOrder(Sampler[int]):
@@ -131,7 +135,7 @@ class ProbeBatches:
         self.mode = mode
         self.size_fn: SizeFn = sample_size or default_sample_size
         self.scan_limit = scan_limit
-        self.say = say or _log
+        self.say = say or messages.say
         """``say(message, warn=False)``: the callback's rank-zero printer (a bound method, so that the
         callback still pickles for ``ddp_spawn``)."""
         self.cache = SizeCache()
@@ -174,11 +178,16 @@ class ProbeBatches:
 
     def arrange(self, loader: Any, stage: str, steps: int) -> Any:
         """The loader a trial should iterate: ``loader`` itself, or (``largest``) its largest samples,
-        enough for ``steps`` batches. Loaders returned as a dict or list are arranged one by one."""
+        enough for ``steps`` batches. Loaders returned in a dict, list or tuple (nested at will) or in a
+        Lightning 2.x ``CombinedLoader`` (a copy, in its own mode) are arranged one by one."""
+        if is_combined_loader(loader) and hasattr(loader, "flattened"):
+            arranged = copy.copy(loader)  # the hook's own object keeps its loaders
+            arranged.flattened = [self.arrange(d, f"{stage}[{i}]", steps) for i, d in enumerate(loader.flattened)]
+            return arranged
         if isinstance(loader, Mapping):
-            return {key: self._one(value, f"{stage}[{key!r}]", steps) for key, value in loader.items()}
-        if isinstance(loader, (list, tuple)) and loader and all(isinstance(d, DataLoader) for d in loader):
-            return [self._one(value, f"{stage}[{i}]", steps) for i, value in enumerate(loader)]
+            return {key: self.arrange(value, f"{stage}[{key!r}]", steps) for key, value in loader.items()}
+        if isinstance(loader, (list, tuple)) and loader and all(_holds_loaders(d) for d in loader):
+            return [self.arrange(value, f"{stage}[{i}]", steps) for i, value in enumerate(loader)]
         return self._one(loader, stage, steps)
 
     def _one(self, loader: Any, where: str, steps: int) -> Any:

@@ -28,13 +28,13 @@ What a recovered step guarantees:
 from __future__ import annotations
 
 import gc
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from retune import messages
 from retune.errors import RetuneError
 from retune.oom import is_oom_error
 from retune.split import SplitFn, batch_length, join_outputs, split_batch
@@ -384,11 +384,10 @@ def _weights(micro: Sequence[Any], reduction: LossReduction) -> list[float]:
         return [1.0] * len(micro)
     sizes = [_samples(m) for m in micro]
     if any(n is None for n in sizes):
-        warnings.warn(
+        messages.warn(
             "retune cannot tell how many samples the micro-batches from split_batch hold (no tensors with a "
             "batch dimension, no len()); their losses are weighted equally, which equals the whole batch's "
-            "update only when the pieces are equal. Give the micro-batch type a __len__.",
-            stacklevel=2,
+            "update only when the pieces are equal. Give the micro-batch type a __len__."
         )
         return [1.0 / len(micro)] * len(micro)
     total = sum(n or 0 for n in sizes) or 1

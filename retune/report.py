@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
+from retune import messages
 from retune.events import RetuneEvent
-
-log = logging.getLogger("retune")
 
 FORMAT_VERSION = 1
 JSON_NAME = "history.json"
@@ -53,6 +52,10 @@ CSV_FIELDS = (
     "peak_bytes",
     "budget_bytes",
     "mode",
+    "objective",
+    "largest",
+    "samples_per_s",
+    "trial_samples_per_s",
     "bucket_sizes",
     "bucket_bounds",
     "samples_per_step",
@@ -188,6 +191,15 @@ def write_csv(path: PathLike, events: Sequence[RetuneEvent]) -> Path:
                     "peak_bytes": _blank(chosen_peak(e)),
                     "budget_bytes": _blank(getattr(e, "budget_bytes", None)),
                     "mode": getattr(e, "mode", ""),
+                    "objective": e.objective,
+                    "largest": _blank(e.largest),
+                    "samples_per_s": _rate_cell(chosen_rate(e)),
+                    "trial_samples_per_s": " ".join(
+                        f"{t.batch_size}:{_rate_cell(r) or '-'}"
+                        for t, r in zip(e.trials, trial_rates_of(e), strict=True)
+                    )
+                    if e.samples_per_s
+                    else "",
                     "bucket_sizes": _slashed(e.bucket_sizes),
                     "bucket_bounds": _slashed(e.bucket_bounds),
                     "samples_per_step": f"{e.samples_per_step:g}" if e.bucket_sizes else "",
@@ -232,12 +244,16 @@ def write_outputs(
         try:
             png_path = plot_history(out / PNG_NAME, record)
         except ImportError as exc:
-            log.warning("retune: not writing %s (%s); install matplotlib for the plot", out / PNG_NAME, exc)
+            messages.warn(f"not writing {out / PNG_NAME} ({exc}); install matplotlib for the plot")
     return OutputPaths(json=json_path, csv=csv_path, png=png_path)
 
 
 def _blank(value: int | None) -> int | str:
     return "" if value is None else value
+
+
+def _rate_cell(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
 
 
 # -- console lines and logged metrics -----------------------------------------------------------
@@ -253,9 +269,16 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def format_trial(n: int, batch_size: int, fits: bool, peak_bytes: int | None = None, bucket: int | None = None) -> str:
-    """One progress line per probe: ``trial 3 batch_size=8: fits, peak 1.2 MiB`` (``trial 3 bucket 2
-    batch_size=8: ...`` when a length bucket's worst batch was probed).
+def format_trial(
+    n: int,
+    batch_size: int,
+    fits: bool,
+    peak_bytes: int | None = None,
+    samples_per_s: float | None = None,
+    bucket: int | None = None,
+) -> str:
+    """One progress line per probe: ``trial 3 batch_size=8: fits, peak 1.2 MiB, 512.3 samples/s`` (``trial 3
+    bucket 2 batch_size=8: ...`` when a length bucket's worst batch was probed).
 
     "does not fit" rather than "out of memory": under a budget a trial fails by exceeding it.
     """
@@ -263,7 +286,34 @@ def format_trial(n: int, batch_size: int, fits: bool, peak_bytes: int | None = N
     line = f"trial {n} {which}batch_size={batch_size}: {'fits' if fits else 'does not fit'}"
     if peak_bytes is not None:
         line += f", peak {format_bytes(peak_bytes)}"
+    if samples_per_s is not None:
+        line += f", {format_rate(samples_per_s)}"
     return line
+
+
+def format_rate(samples_per_s: float) -> str:
+    """``1234.5`` -> ``'1,234 samples/s'`` (one decimal below 100, where it still means something)."""
+    return f"{samples_per_s:,.1f} samples/s" if samples_per_s < 100 else f"{samples_per_s:,.0f} samples/s"
+
+
+def trial_rates_of(event: RetuneEvent) -> list[float | None]:
+    """Samples per second of each trial, in trial order (all None for a ``largest`` search)."""
+    rates: list[float | None] = list(event.samples_per_s or [])
+    return (rates + [None] * len(event.trials))[: len(event.trials)]
+
+
+def size_rates(event: RetuneEvent) -> dict[int, float]:
+    """Samples per second per size tried, the median over the size's trials (a repeated size has several)."""
+    by_size: dict[int, list[float]] = {}
+    for trial, rate in zip(event.trials, trial_rates_of(event), strict=True):
+        if rate is not None:
+            by_size.setdefault(trial.batch_size, []).append(rate)
+    return {size: statistics.median(rates) for size, rates in sorted(by_size.items())}
+
+
+def chosen_rate(event: RetuneEvent) -> float | None:
+    """Samples per second measured at the size a throughput search chose (None otherwise)."""
+    return size_rates(event).get(event.batch_size_after)
 
 
 def format_summary(event: RetuneEvent, where: str | None = None) -> str:
@@ -281,9 +331,21 @@ def format_summary(event: RetuneEvent, where: str | None = None) -> str:
             f"{event.samples_per_step:g} samples per step; {len(event.trials)} trials, {event.duration_s:.2f}s, "
             f"trigger {event.trigger})"
         )
+    fastest = ""
+    if event.objective == "throughput":
+        rates = size_rates(event)
+        chosen = rates.get(event.batch_size_after)
+        fastest = "the fastest" + ("" if chosen is None else f" at {format_rate(chosen)}")
+        if event.largest is not None and event.largest != event.batch_size_after:
+            at_largest = rates.get(event.largest)
+            fastest += f"; largest that fits {event.largest}" + (
+                "" if at_largest is None else f" at {format_rate(at_largest)}"
+            )
+        fastest += ", "
     return (
         f"{where or f'epoch {event.epoch}'}: {event.stage} batch size {event.batch_size_before} -> "
-        f"{event.batch_size_after} ({len(event.trials)} trials, {event.duration_s:.2f}s, trigger {event.trigger})"
+        f"{event.batch_size_after} ({fastest}{len(event.trials)} trials, {event.duration_s:.2f}s, "
+        f"trigger {event.trigger})"
     )
 
 
@@ -311,6 +373,9 @@ def event_metrics(event: RetuneEvent) -> dict[str, float]:
         metrics[f"{prefix}batch_size_bucket{bucket}"] = float(size)
     if event.bucket_sizes:
         metrics[f"{prefix}samples_per_step"] = float(event.samples_per_step)
+    rate = chosen_rate(event)
+    if rate is not None:
+        metrics[f"{prefix}samples_per_s"] = float(rate)
     return metrics
 
 
@@ -356,6 +421,12 @@ def format_table(events: Sequence[RetuneEvent]) -> str:
         header.append("peak")
         for row, peak in zip(rows, peaks, strict=True):
             row.append("-" if peak is None else format_bytes(peak))
+    if any(e.objective == "throughput" for e in events):
+        header += ["samples/s", "largest"]
+        for row, e in zip(rows, events, strict=True):
+            rate = chosen_rate(e)
+            row.append("-" if rate is None else format_rate(rate).removesuffix(" samples/s"))
+            row.append("-" if e.largest is None else str(e.largest))
     searches = sum(1 for e in events if not e.is_recovery)
     title = f"retune: {searches} search{'es' if searches != 1 else ''}"
     bounds = next((e.bucket_bounds for e in reversed(events) if e.bucket_bounds), None)
@@ -458,6 +529,25 @@ def _chosen_peaks(events: Iterable[RetuneEvent]) -> list[tuple[int, int]]:
     return [(e.global_step, peak) for e in events if e.stage == "train" and (peak := chosen_peak(e)) is not None]
 
 
+def _plot_throughput(axis: Any, events: Sequence[RetuneEvent]) -> None:
+    """Samples/s over batch size for each throughput search: the curve it measured, its choice starred."""
+    for e in events:
+        rates = size_rates(e)
+        label = f"step {e.global_step}: {e.trigger}"
+        (line,) = axis.plot(list(rates), list(rates.values()), "o-", markersize=3, linewidth=1, label=label)
+        chosen = rates.get(e.batch_size_after)
+        if chosen is not None:
+            axis.plot([e.batch_size_after], [chosen], "*", markersize=12, color=line.get_color())
+        if e.largest is not None and e.largest in rates:
+            axis.plot([e.largest], [rates[e.largest]], "x", markersize=8, color=line.get_color())
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("batch size (\u2605 chosen, \u00d7 largest that fits)")
+    axis.set_ylabel("samples/s")
+    axis.set_title("throughput per search", fontsize=10)
+    axis.grid(True, alpha=0.3)
+    axis.legend(loc="lower right", fontsize=7)
+
+
 def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Path:
     """Draw batch size (and memory, when known) over global steps, with a marked line per search.
 
@@ -466,6 +556,8 @@ def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Pa
     memory series if the run recorded one, else the measured peak of each search's chosen size
     (dots), and the budget (dashed).
     Two panels rather than a second y-axis, so sizes and bytes never share a scale by accident.
+    Right panel, only when a search had ``objective: throughput``: samples/s over batch size as each
+    such search measured it, with the size chosen starred and the largest that fits crossed.
     The image is always :data:`PLOT_SIZE_PX` pixels. Raises ImportError without matplotlib.
     """
     from matplotlib.figure import Figure  # Agg canvas, no pyplot: no global state, no GUI backend
@@ -480,12 +572,19 @@ def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Pa
     peaks = [] if record.memory else _chosen_peaks(record.events)
     has_memory = bool(record.memory or peaks or record.budget_bytes is not None)
 
+    curves = [e for e in record.events if any(r is not None for r in trial_rates_of(e))]
+
     width, height = PLOT_SIZE_PX
     fig = Figure(figsize=(width / PLOT_DPI, height / PLOT_DPI), dpi=PLOT_DPI)
-    if has_memory:
-        ax, mem_ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    else:
-        ax, mem_ax = fig.add_subplot(), None
+    # a throughput search adds a panel on the right: samples/s over batch size, its own x axis
+    grid = fig.add_gridspec(2 if has_memory else 1, 2 if curves else 1, height_ratios=[2, 1] if has_memory else [1],
+                            width_ratios=[2, 1] if curves else [1])  # fmt: skip
+    ax = fig.add_subplot(grid[0, 0])
+    mem_ax = fig.add_subplot(grid[1, 0], sharex=ax) if has_memory else None
+    if mem_ax is not None:
+        ax.tick_params(labelbottom=False)
+    if curves:
+        _plot_throughput(fig.add_subplot(grid[:, 1]), curves)
 
     buckets = bucket_series(record.events, record.end_step or (series[-1][0] if series else None))
     bounds = next((e.bucket_bounds for e in reversed(record.events) if e.bucket_bounds), [])
@@ -567,14 +666,18 @@ __all__ = [
     "batch_size_series",
     "bucket_series",
     "chosen_peak",
+    "chosen_rate",
     "event_metrics",
     "format_bytes",
     "format_summary",
     "format_table",
+    "format_rate",
     "format_trial",
     "plot_history",
     "read_history",
+    "size_rates",
     "trial_peaks",
+    "trial_rates_of",
     "write_csv",
     "write_json",
     "write_outputs",

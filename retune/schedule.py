@@ -34,6 +34,7 @@ from pydantic import (
 from retune.buckets import DEFAULT_BUCKETS
 
 SearchMode = Literal["power", "binsearch", "model"]
+Objective = Literal["largest", "throughput"]
 Stage = Literal["train", "val", "test", "predict"]
 StrictFloat = Annotated[float, Strict()]
 
@@ -95,6 +96,20 @@ class SearchConfig(_Config):
         "implies, instead of climbing from init_val again.",
     )
 
+    objective: Objective = Field(
+        "largest",
+        description="largest: the largest size that fits; throughput: among the sizes that fit, the one with the "
+        "most samples per second, timed on the probes' steps after the first of each trial.",
+    )
+    throughput_tolerance: StrictFloat = Field(
+        0.03,
+        ge=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="throughput: sizes within this fraction of the fastest count as ties, and the smallest of "
+        "them is chosen (less memory, more optimizer steps).",
+    )
+
     probe_samples: Literal["first", "largest"] = Field(
         "first",
         description="first: probe on the first batches of the dataloader; largest: every probe batch at size b "
@@ -140,6 +155,22 @@ class SearchConfig(_Config):
             raise ValueError(
                 "buckets needs every sample's size to put it in a bucket, so it cannot be combined with "
                 "search.scan_limit; remove scan_limit"
+            )
+        if value == "buckets" and info.data.get("objective") == "throughput":
+            raise ValueError(
+                "buckets gives every length bucket the largest size that fits; search.objective: throughput "
+                "(the fastest size) is not defined per bucket yet: use objective: largest with buckets"
+            )
+        return value
+
+    @field_validator("objective")
+    @classmethod
+    def _timed_steps(cls, value: str, info: ValidationInfo) -> str:
+        steps = info.data.get("steps_per_trial")
+        if value == "throughput" and steps is not None and steps < 2:
+            raise ValueError(
+                f"throughput times the steps after the first of each trial (the first warms up), so it needs "
+                f"search.steps_per_trial >= 2, got {steps}"
             )
         return value
 

@@ -5,7 +5,8 @@ Semantics follow Lightning's ``BatchSizeFinder`` where it is sound:
 * ``power`` doubles from the start size until a size fails and returns the last size that fit;
   if the start size fails it halves until one fits.
 * ``binsearch`` does the same, then bisects between the largest fit and the smallest failure,
-  and applies ``margin`` to the result (``found * (1 - margin)``, at least 1).
+  and applies ``margin`` to the result (``found * (1 - margin)``, at least 1) when memory limited
+  it: a search that reached the cap without a failure returns the cap itself.
 * No candidate exceeds ``upper`` (``max_val``, or the dataset length when smaller: a batch cannot
   hold more samples than the dataset has).
 
@@ -137,7 +138,8 @@ def run_search(plan: SearchPlan, fits: Callable[[int], bool]) -> SearchResult:
         if len(trials) >= plan.max_trials:
             break
         size, hint = _next_size(plan, lo, hi, hint)
-    return SearchResult(_apply_margin(plan, lo), lo, hi, trials)
+    # only a failure limits the size by memory; without one the search stopped at the cap (or ran out of trials)
+    return SearchResult(_apply_margin(plan, lo, memory_bound=hi is not None), lo, hi, trials)
 
 
 def _next_size(plan: SearchPlan, lo: int | None, hi: int | None, hint: int | None) -> tuple[int | None, int | None]:
@@ -155,8 +157,13 @@ def _next_size(plan: SearchPlan, lo: int | None, hi: int | None, hint: int | Non
     return (lo + hi) // 2, hint
 
 
-def _apply_margin(plan: SearchPlan, found: int | None) -> int | None:
-    if found is None or plan.mode == "power" or plan.margin <= 0:
+def _apply_margin(plan: SearchPlan, found: int | None, memory_bound: bool) -> int | None:
+    """``found`` cut by the margin, a safety cut against batches the probes did not see.
+
+    Only a size that memory limited is cut: not one at the cap (``max_val`` or the dataset's length)
+    or one the search never saw fail, which is the largest size the run may use, as it was tried.
+    """
+    if found is None or plan.mode == "power" or plan.margin <= 0 or not memory_bound or found >= plan.upper:
         return found
     return max(1, int(found * (1 - plan.margin)))
 
@@ -204,7 +211,9 @@ def run_model_search(
             break
         size = _model_next(plan, lo, hi, points, limit, prior)
     line = _secant(points, limit) or prior
-    return SearchResult(_apply_margin(plan, lo), lo, hi, trials, peaks, line)
+    # below the cap, a model search stops on a failure or on a measured peak one sample short of the limit:
+    # either way memory limited the size
+    return SearchResult(_apply_margin(plan, lo, memory_bound=True), lo, hi, trials, peaks, line)
 
 
 def _model_next(

@@ -23,7 +23,7 @@ from retune.bucketing import BucketOutcome, TrainBuckets
 from retune.errors import RetuneError
 from retune.events import RetuneEvent, Trial
 from retune.memory import device_total_bytes
-from retune.probe import Prober
+from retune.probe import Prober, TrialReport
 from retune.probe_batches import ProbeBatches
 from retune.schedule import RetuneSchedule
 from retune.search import (
@@ -37,6 +37,8 @@ from retune.search import (
     run_model_search,
     run_search,
 )
+from retune.step_timer import Clock
+from retune.throughput import ThroughputPlan, choose_fastest, timed_sizes, trial_rates, with_choice
 
 Say = Callable[..., None]
 """``say(message, warn=False)``: the callback's rank-zero printer."""
@@ -110,9 +112,10 @@ def search_stage(
     policies: Policies,
     probe_batches: ProbeBatches,
     known_oom: tuple[int, int] | None,
-    on_trial: Callable[[int, bool, int | None], None],
+    on_trial: TrialReport,
     say: Say,
     before_plan: Callable[[Any], None] | None = None,
+    clock: Clock | None = None,
     buckets: TrainBuckets | None = None,
 ) -> tuple[RetuneEvent, str]:
     """Search ``stage``'s batch size (attribute ``name``), apply it, and return the event and where it ran.
@@ -120,9 +123,10 @@ def search_stage(
     ``known_oom`` is ``(fitting, failed)`` from a real training step that ran out of memory at
     ``failed`` and trained in pieces of ``fitting``: the search starts below the failure. ``state``
     is updated in place; ``before_plan(loader)`` sees the stage's loader once (a warning about it).
-    With ``buckets`` (``search.batching: buckets``, train stage) every bucket gets its own size, unless
-    the loader cannot be bucketed (then one size, as ``fixed``). On any failure the attribute is put
-    back to what it was.
+    With ``search.objective: throughput`` the size applied is the fastest that fits (:mod:`retune.throughput`),
+    its steps timed with ``clock``. With ``buckets`` (``search.batching: buckets``, train stage) every
+    bucket gets its own size, unless the loader cannot be bucketed (then one size, as ``fixed``).
+    On any failure the attribute is put back to what it was.
     """
     config = schedule.search
     before = compat.get_batch_attr(trainer, pl_module, name)
@@ -176,8 +180,11 @@ def search_stage(
         stage=stage,
         track_memory=shown_mode in ("model", "buckets") or device.type == "cuda",
         arrange=lambda loader: probe_batches.arrange(loader, stage, config.steps_per_trial),
+        time_steps=config.objective == "throughput",
+        clock=clock,
     )
     outcome: BucketOutcome | None = None
+    largest: int | None = None
     try:
         with prober.session():
             if grouped is not None and buckets is not None:
@@ -189,7 +196,7 @@ def search_stage(
                     start=min(config.init_val, plan.upper),
                     max_trials=config.max_trials,
                     max_val=config.max_val,
-                    margin_of=lambda found: apply_margin(plan, found),
+                    margin_of=lambda found, memory_bound: apply_margin(plan, found, memory_bound),
                     tolerance=config.margin,
                     steps=config.steps_per_trial,
                     direction=direction,
@@ -202,6 +209,9 @@ def search_stage(
                 result = run_model_search(plan, prober.measure, limit, prior)
             else:
                 result = run_search(plan, prober.fits)
+            if config.objective == "throughput" and result.size is not None:
+                largest = result.size
+                result = fastest_that_fits(prober, result, schedule, None if cold else state.size)
     except BaseException:
         compat.set_batch_attr(trainer, pl_module, name, before)
         raise
@@ -255,6 +265,9 @@ def search_stage(
         lr_factor=factor,
         mode=shown_mode,
         note=note,
+        objective=config.objective,
+        samples_per_s=[] if largest is None else trial_rates(result.trials, prober.step_times),
+        largest=largest,
         **_bucket_fields(outcome, buckets),
     )
     state.size, state.last = result.size, result
@@ -264,9 +277,10 @@ def search_stage(
     return event, where
 
 
-def apply_margin(plan: SearchPlan, found: int) -> int:
-    """The schedule's margin applied to one found size, by the same rule as a fixed search."""
-    value = _apply_margin(plan, found)
+def apply_margin(plan: SearchPlan, found: int, memory_bound: bool) -> int:
+    """The schedule's margin applied to one bucket's size, by the same rule as a fixed search: only a size
+    that memory limited is cut (not one at the bucket's cap, its share of samples or ``max_val``)."""
+    value = _apply_margin(plan, found, memory_bound)
     return found if value is None else value
 
 
@@ -304,6 +318,23 @@ def _bucket_fields(outcome: BucketOutcome | None, buckets: TrainBuckets | None) 
     }
 
 
+def fastest_that_fits(prober: Prober, result: SearchResult, schedule: RetuneSchedule, last: int | None) -> SearchResult:
+    """``objective: throughput``: among the sizes up to the one ``result`` applies, the fastest.
+
+    Runs inside the probe session, timing the fit search's steps and adding the few trials the
+    selection needs. A warm re-tune starts looking at ``last``, the size the previous search chose.
+    """
+    config = schedule.search
+    assert result.size is not None
+    start = last if config.warm_start else None
+    choice = choose_fastest(
+        ThroughputPlan(cap=result.size, tolerance=config.throughput_tolerance, start=start),
+        timed_sizes(result.trials, prober.step_times),
+        prober.time,
+    )
+    return with_choice(result, choice)
+
+
 def apply_policies(
     trainer: Any,
     schedule: RetuneSchedule,
@@ -339,4 +370,4 @@ def apply_policies(
     return accumulate, factor
 
 
-__all__ = ["Policies", "StageState", "apply_policies", "mode_and_limit", "search_stage"]
+__all__ = ["Policies", "StageState", "apply_policies", "fastest_that_fits", "mode_and_limit", "search_stage"]

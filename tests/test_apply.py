@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import doctest
 import functools
-import logging
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -37,6 +36,7 @@ import retune.apply
 from retune import RetuneError, ScheduledBatchSizeFinder, ScheduleError, load_schedule
 from retune.apply import Accumulation, accumulation_for, lr_factor, scale_learning_rates
 from tests.lightning_ns import LEGACY, callbacks, pl, seed
+from tests.retune_warnings import retune_warnings
 
 
 @pytest.fixture(autouse=True)
@@ -532,13 +532,12 @@ def test_accumulated_step_after_the_retune_has_the_full_batch_gradient() -> None
         assert not torch.allclose(grad, 4 * reference[name], atol=1e-6), f"{name}: the loss was not scaled by 1/4"
 
 
-def test_keep_effective_inexact_warns_and_records_the_effective_size(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="retune"):
+def test_keep_effective_inexact_warns_and_records_the_effective_size() -> None:
+    with retune_warnings() as warnings:
         trainer, finder, rec = _fit(LinearModel(limits=(64, 24)), _schedule("keep_effective", "linear"))
     second = finder.history[1]
     assert (second.batch_size_after, second.accumulate, second.effective_batch_size) == (24, 3, 72)
     assert second.lr_factor == pytest.approx(72 / 64)  # linear scaling follows the effective change
-    warnings = [r.getMessage() for r in caplog.records if r.name == "retune" and r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     for number in ("72", "24", "64"):  # the effective size it gives, the new batch size, the target
         assert re.search(rf"\b{number}\b", warnings[0]), warnings[0]

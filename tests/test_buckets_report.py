@@ -116,6 +116,7 @@ def test_schedule_fields() -> None:
         ({"buckets": 2.5}, "search.buckets", "valid integer"),
         ({"buckets": "4"}, "search.buckets", "valid integer"),
         ({"batching": "buckets", "scan_limit": 100}, "search.batching", "cannot be combined with search.scan_limit"),
+        ({"objective": "throughput", "batching": "buckets"}, "search.batching", "use objective: largest with buckets"),
     ],
 )
 def test_bad_bucket_configuration_is_a_schedule_error_naming_the_field(

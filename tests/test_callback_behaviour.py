@@ -12,7 +12,6 @@ import copy
 import csv
 import functools
 import importlib
-import logging
 import math
 import re
 import signal
@@ -32,6 +31,7 @@ import retune
 from retune import RetuneError, RetuneEvent
 from tests.lightning_ns import LEGACY, callbacks, pl
 from tests.oracle import MemoryOracle, make_data
+from tests.retune_warnings import retune_warnings
 
 ScheduledBatchSizeFinder = retune.ScheduledBatchSizeFinder
 
@@ -385,14 +385,13 @@ def test_dataloader_passed_to_fit_is_refused_at_setup() -> None:
     assert model.seen == []
 
 
-def test_fast_dev_run_skips_the_search_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_fast_dev_run_skips_the_search_with_a_warning() -> None:
     model = C.AttrModel()
     finder = ScheduledBatchSizeFinder(schedule("fit_start"), verbose=False)
     trainer = make_trainer(finder, fast_dev_run=True)
-    with caplog.at_level(logging.WARNING, logger="retune"):
+    with retune_warnings() as said:
         trainer.fit(model)
-    warnings = [r for r in caplog.records if r.name == "retune" and r.levelno == logging.WARNING]
-    assert any("fast_dev_run" in r.getMessage() for r in warnings), caplog.records
+    assert any("fast_dev_run" in message for message in said), said
     assert trainer.state.finished
     assert finder.history == [] and finder.batch_size is None
     assert model.batch_size == START and model.seen == [(0, START)]
@@ -608,3 +607,27 @@ def test_works_with_both_lightning_namespaces() -> None:
         finders.append(finder)
     assert type(finders[0]) is type(finders[1]) is ScheduledBatchSizeFinder
     assert finders[0].batch_size == finders[1].batch_size
+
+
+@pytest.mark.parametrize("mode", ["binsearch", "model"])
+def test_a_size_capped_by_max_val_is_not_cut_by_the_margin(mode: str) -> None:
+    """Issue 20: with ``max_val: 64`` and a model for which 64 fits, the size is 64 (it was 60 after the 5%
+    margin); the same run with room only for 63 gets the margin. ``model`` mode predicts from the CPU budget."""
+    extra: dict[str, Any] = {"mode": mode, "max_val": 64, "margin": 0.05, "init_val": 16}
+    sched = schedule("fit_start", **extra)
+    if mode == "model":
+        sched["memory"] = {"budget": "1GiB"}  # far above what 64 samples need: the cap decides
+    model = C.AttrModel()
+    finder = ScheduledBatchSizeFinder(sched, verbose=False)
+    make_trainer(finder).fit(model)
+    assert finder.batch_size == model.batch_size == 64
+    assert finder.history[0].max_fitting == 64 and finder.history[0].min_failing is None
+
+    capacity = ORACLE.capacity
+    while C.AttrModel(oracle=MemoryOracle(capacity=capacity)).true_max() >= 64:
+        capacity = capacity * 19 // 20  # until the largest size that fits is below the cap
+    tight = C.AttrModel(oracle=MemoryOracle(capacity=capacity))
+    finder = ScheduledBatchSizeFinder(schedule("fit_start", **{**extra, "mode": "binsearch"}), verbose=False)
+    make_trainer(finder).fit(tight)
+    found = finder.history[0].max_fitting
+    assert found == tight.true_max() and finder.batch_size == int(found * 0.95)

@@ -3,7 +3,6 @@ hparams): retune warns once per attribute name, naming both places, and keeps wr
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ from retune import ScheduledBatchSizeFinder
 from retune.attrs import duplicate_attr_message, loader_batch_size
 from tests.lightning_ns import pl
 from tests.oracle import FineTuneModel, make_data
+from tests.retune_warnings import retune_warnings
 
 # -- the message, alone ----------------------------------------------------------------------------
 
@@ -100,7 +100,7 @@ class NoAttrModel(FineTuneModel):
         raise AssertionError("no validation here")
 
 
-def _fit(model: Any, caplog: pytest.LogCaptureFixture, **fit_kwargs: Any) -> tuple[ScheduledBatchSizeFinder, list[str]]:
+def _fit(model: Any, **fit_kwargs: Any) -> tuple[ScheduledBatchSizeFinder, list[str]]:
     schedule = {
         "search": {"mode": "binsearch", "steps_per_trial": 1},
         "triggers": [{"kind": "fit_start"}, {"kind": "epoch", "at": [1]}],
@@ -117,14 +117,14 @@ def _fit(model: Any, caplog: pytest.LogCaptureFixture, **fit_kwargs: Any) -> tup
         enable_model_summary=False,
         accelerator="cpu",
     )
-    with caplog.at_level(logging.WARNING, logger="retune"):
+    with retune_warnings() as said:
         trainer.fit(model, **fit_kwargs)
-    return finder, [r.getMessage() for r in caplog.records if "places" in r.getMessage()]
+    return finder, [message for message in said if "places" in message]
 
 
-def test_model_and_its_hparams_warned_once_and_both_written(caplog: pytest.LogCaptureFixture) -> None:
+def test_model_and_its_hparams_warned_once_and_both_written() -> None:
     model = HparamsModel()
-    finder, warnings = _fit(model, caplog)
+    finder, warnings = _fit(model)
     assert len(finder.history) == 2, "two searches, one warning"
     (message,) = warnings
     assert "model.batch_size = 8 and model.hparams.batch_size = 32" in message
@@ -133,9 +133,9 @@ def test_model_and_its_hparams_warned_once_and_both_written(caplog: pytest.LogCa
     assert model.batch_size == model.hparams.batch_size == finder.batch_size != 8
 
 
-def test_datamodule_and_its_hparams_warned_once_and_both_written(caplog: pytest.LogCaptureFixture) -> None:
+def test_datamodule_and_its_hparams_warned_once_and_both_written() -> None:
     data = HparamsData()
-    finder, warnings = _fit(NoAttrModel(), caplog, datamodule=data)
+    finder, warnings = _fit(NoAttrModel(), datamodule=data)
     (message,) = warnings
     assert "datamodule.batch_size = 8 and datamodule.hparams.batch_size = 32" in message
     assert "built its loader from datamodule.batch_size" in message

@@ -58,6 +58,9 @@ def test_to_dict_fields_and_trials_as_pairs() -> None:
         "bucket_samples": [],
         "trial_buckets": [],
         "samples_per_step": 0.0,
+        "objective": "largest",
+        "samples_per_s": [],
+        "largest": None,
     }
     assert set(data) == {f.name for f in dataclasses.fields(RetuneEvent)}
 

@@ -263,3 +263,18 @@ def test_model_retune_after_unfreeze_measures_up_the_curve_past_a_flat_peak() ->
     result = run_model_search(plan, measure, capacity)
     assert result.size == 700
     assert [t.batch_size for t in result.trials] == [258, 516, 700]
+
+
+def test_model_search_at_the_cap_keeps_the_cap_and_below_it_applies_the_margin() -> None:
+    """``model`` mode: a cap reached within the limit is the size itself; a size the limit stopped is cut."""
+    limit = 1_000_000
+    fits_everything, _ = _curve(fixed=1000, per_sample=100, limit=limit)  # 9990 would fit; the cap is 64
+    plan = SearchPlan(mode="model", start=2, max_trials=25, margin=0.05, upper=64)
+    assert run_model_search(plan, fits_everything, limit).size == 64
+    tight, _ = _curve(fixed=1000, per_sample=100, limit=1000 + 100 * 40)  # 40 fits, 41 does not
+    result = run_model_search(plan, tight, 1000 + 100 * 40)
+    assert result.max_fitting == 40 and result.size == int(40 * 0.95)
+    no_margin = SearchPlan(mode="model", start=2, max_trials=25, margin=0.0, upper=64)
+    assert run_model_search(no_margin, tight, 1000 + 100 * 40).size == 40
+    capped_at_the_limit, _ = _curve(fixed=1000, per_sample=100, limit=1000 + 100 * 64)  # 64 fits exactly
+    assert run_model_search(plan, capped_at_the_limit, 1000 + 100 * 64).size == 64

@@ -8,7 +8,6 @@ each batch, all long ones past the first batches. Budgets are CPU budgets measur
 from __future__ import annotations
 
 import json
-import logging
 import pickle
 import random
 from pathlib import Path
@@ -25,6 +24,7 @@ from retune.schedule import parse_byte_size
 from tests import varlen
 from tests.dist_utils import run_rank_scripts
 from tests.lightning_ns import seed
+from tests.retune_warnings import retune_warnings
 from tests.varlen import (
     SeenBatches,
     StepPeaks,
@@ -166,32 +166,31 @@ class _KeyedModel(TokenClassifier):
     ],
 )
 def test_loaders_it_cannot_reorder_warn_once_and_probe_the_first_batches(
-    model_cls: type[TokenClassifier], reason: str, caplog: pytest.LogCaptureFixture
+    model_cls: type[TokenClassifier], reason: str
 ) -> None:
     seed(0)
     data = TokenDataset(lengths(240, long_at=()))
     sched = schedule("largest")
     sched["triggers"].append({"kind": "epoch", "at": [1]})  # two searches, one warning
     finder = ScheduledBatchSizeFinder(sched, verbose=False, write_report=False)
-    with caplog.at_level(logging.WARNING, logger="retune"):
+    with retune_warnings() as said:
         varlen.trainer([finder], epochs=2, limit_train_batches=2).fit(model_cls(data, batch_size=4))
-    warnings = [r.getMessage() for r in caplog.records if "probe_samples: largest cannot" in r.getMessage()]
+    warnings = [message for message in said if "probe_samples: largest cannot" in message]
     assert len(warnings) == 1 and reason in warnings[0], warnings
     assert len(finder.history) == 2 and finder.batch_size is not None  # searched on the first batches
 
 
-def test_first_warns_once_when_sizes_vary_widely(caplog: pytest.LogCaptureFixture) -> None:
+def test_first_warns_once_when_sizes_vary_widely() -> None:
     seed(0)
     rng = random.Random(0)
     wide = [rng.choice([4, 8, 16, 64]) for _ in range(240)]
     for data, warned in ((TokenDataset(wide), True), (TokenDataset(lengths(240, long_at=())), False)):
-        caplog.clear()
         sched = schedule("first")
         sched["triggers"].append({"kind": "epoch", "at": [1]})
         finder = ScheduledBatchSizeFinder(sched, verbose=False, write_report=False)
-        with caplog.at_level(logging.WARNING, logger="retune"):
+        with retune_warnings() as said:
             varlen.trainer([finder], epochs=2, limit_train_batches=1).fit(TokenClassifier(data, batch_size=4))
-        hints = [r.getMessage() for r in caplog.records if "probe_samples: largest" in r.getMessage()]
+        hints = [message for message in said if "probe_samples: largest" in message]
         assert len(hints) == int(warned), hints
         if warned:
             assert "sizes vary widely (48 random samples: largest 65" in hints[0]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import pytest
 
 from retune import RetuneEvent, Trial, report
 from retune.cli import main
+from tests.retune_warnings import retune_warnings
 
 # skip guard: the plot checks read the PNG back (matplotlib is not in the flash stack)
 imread = pytest.importorskip("matplotlib.image", reason="the report's plot needs matplotlib, not installed").imread
@@ -116,16 +116,14 @@ def test_unknown_version_is_refused(tmp_path: Path) -> None:
         report.read_history(path)
 
 
-def test_plot_without_matplotlib_is_skipped_with_a_warning(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_plot_without_matplotlib_is_skipped_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # makes the import raise ImportError
-    with caplog.at_level(logging.WARNING, logger="retune"):
+    with retune_warnings() as said:
         paths = report.write_outputs(_events(), tmp_path)
     assert paths.png is None
     assert paths.json.exists() and paths.csv.exists()
     assert not (tmp_path / report.PNG_NAME).exists()
-    assert "matplotlib" in caplog.text
+    assert len(said) == 1 and "matplotlib" in said[0], said
 
 
 # -- the plot ----------------------------------------------------------------------------------

@@ -90,6 +90,15 @@ CASES: list[Any] = [
         f"unknown trigger kind 'on_unfreeze'; allowed: {TRIGGER_KINDS_TEXT}",
     ),
     ("search_mode_unknown.yaml", "search.mode", "Input should be 'power', 'binsearch' or 'model' (got 'bisect')"),
+    # -- throughput objective --------------------------------------------------------------------
+    ("objective_unknown.yaml", "search.objective", "Input should be 'largest' or 'throughput' (got 'fastest')"),
+    (
+        "throughput_one_step.yaml",
+        "search.objective",
+        "needs search.steps_per_trial >= 2, got 1",
+    ),
+    ("throughput_tolerance_percent.toml", "search.throughput_tolerance", "Input should be less than 1 (got 5)"),
+    ("throughput_tolerance_string.json", "search.throughput_tolerance", "Input should be a valid number (got '0.03')"),
     # -- memory budget ----------------------------------------------------------------------------
     ("budget_unparsable.yaml", "memory.budget", "'12 parsecs' is not a memory size"),
     (

@@ -72,6 +72,8 @@ def test_defaults_are_filled_in() -> None:
             "margin": 0.05,
             "max_val": 8192,
             "warm_start": True,
+            "objective": "largest",
+            "throughput_tolerance": 0.03,
             "probe_samples": "first",
             "sample_size": None,
             "scan_limit": None,
@@ -226,6 +228,8 @@ def test_json_schema_search_fields_and_modes() -> None:
         "margin",
         "max_val",
         "warm_start",
+        "objective",
+        "throughput_tolerance",
         "probe_samples",
         "sample_size",
         "scan_limit",
@@ -233,6 +237,7 @@ def test_json_schema_search_fields_and_modes() -> None:
         "buckets",
     }
     assert search["mode"]["enum"] == ["power", "binsearch", "model"]
+    assert search["objective"]["enum"] == ["largest", "throughput"]
     assert all(d["additionalProperties"] is False for d in defs.values())
 
 

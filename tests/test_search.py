@@ -457,3 +457,49 @@ def test_warm_start_from_margin_result_does_not_compound_margin() -> None:
     again = run_search(warm(first, "unknown", margin=0.05), fits_upto(300))
     assert sizes(again) == [300, 301]
     assert again.size == 285
+
+
+# --- the margin cuts only a size that memory limited (issue 20) -----------------------------------
+
+
+@pytest.mark.parametrize("init_val", [1, 2, 3, 64])
+def test_binsearch_cap_hit_without_a_failure_keeps_the_cap(init_val: int) -> None:
+    """With ``max_val: 64`` and a model for which 64 fits, the size is 64, not 60: nothing failed."""
+    for m in (64, 65, 100, 10_000):
+        result = run_search(cold("binsearch", init_val=init_val, margin=0.05, max_val=64), fits_upto(m))
+        assert result.size == 64 and result.max_fitting == 64 and result.min_failing is None, sizes(result)
+
+
+def test_binsearch_dataset_length_cap_keeps_the_cap() -> None:
+    result = run_search(cold("binsearch", margin=0.1, dataset_len=50), fits_upto(10_000))
+    assert result.size == 50 and sizes(result)[-1] == 50
+
+
+def test_binsearch_failure_just_below_the_cap_applies_the_margin() -> None:
+    """64 is the cap and fails; 63 fits: memory limited the size, so the margin applies."""
+    result = run_search(cold("binsearch", margin=0.05, max_val=64), fits_upto(63))
+    assert result.max_fitting == 63 and result.min_failing == 64
+    assert result.size == int(63 * 0.95)
+
+
+def test_binsearch_known_failure_just_above_the_cap_keeps_the_cap() -> None:
+    """A warm start remembers a failure at 65, above the new cap of 64: the cap, not memory, stops it."""
+    previous = SearchResult(60, 64, 65)
+    result = run_search(warm(previous, "unknown", margin=0.05, max_val=64), fits_upto(64))
+    assert result.size == 64 and result.max_fitting == 64
+
+
+@pytest.mark.parametrize("cap", [64, 50])
+def test_binsearch_margin_zero_at_and_below_the_cap(cap: int) -> None:
+    assert run_search(cold("binsearch", margin=0.0, max_val=cap), fits_upto(10_000)).size == cap
+    assert run_search(cold("binsearch", margin=0.0, max_val=cap), fits_upto(cap - 1)).size == cap - 1
+
+
+def test_binsearch_below_the_cap_the_margin_still_applies() -> None:
+    for m in (1, 20, 63, 100, 600):
+        result = run_search(cold("binsearch", margin=0.05, max_val=8192), fits_upto(m))
+        assert result.size == max(1, int(m * 0.95))
+
+
+def test_power_at_the_cap_is_the_cap() -> None:
+    assert run_search(cold("power", margin=0.5, max_val=64), fits_upto(1000)).size == 64

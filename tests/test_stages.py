@@ -6,7 +6,6 @@ The model's steps raise the real ``torch.OutOfMemoryError`` above each stage's c
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from retune import RetuneError, ScheduledBatchSizeFinder
 from tests.lightning_ns import pl
+from tests.retune_warnings import retune_warnings
 
 TRAIN_MAX, EVAL_MAX = 60, 400
 
@@ -131,14 +131,14 @@ def test_val_is_tuned_at_fit_start_with_its_own_attribute() -> None:
     assert model.training, "probes leave the model in train mode"
 
 
-def test_val_sharing_the_train_attribute_is_skipped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_val_sharing_the_train_attribute_is_skipped_with_a_warning() -> None:
     model = StagedModel(separate_attrs=False)
     finder = ScheduledBatchSizeFinder(_schedule("train", "val"), verbose=False)
-    with caplog.at_level(logging.WARNING, logger="retune"):
+    with retune_warnings() as said:
         _trainer(finder).fit(model)
     assert [e.stage for e in finder.history] == ["train"]
     assert model.batch_size == TRAIN_MAX
-    assert any("share `batch_size`" in r.getMessage() for r in caplog.records)
+    assert any("share `batch_size`" in message for message in said), said
 
 
 @pytest.mark.parametrize("stage", ["test", "predict", "val"])

@@ -2,7 +2,8 @@
 
 Writes tests/benchmarks/results/search.json, tests/benchmarks/results/snapshot.json (one torch
 thread), tests/benchmarks/results/snapshot-default-threads.json (torch's default) and
-tests/benchmarks/results/probe_samples.json and tests/benchmarks/results/buckets.json. A missed
+tests/benchmarks/results/probe_samples.json, tests/benchmarks/results/throughput.json and
+tests/benchmarks/results/buckets.json. A missed
 target is reported as FAIL in the output and the JSON; the exit status is non-zero only when a
 benchmark itself crashes.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 
-from tests.benchmarks import bench_buckets, bench_probe_samples, bench_search, bench_snapshot
+from tests.benchmarks import bench_buckets, bench_probe_samples, bench_search, bench_snapshot, bench_throughput
 from tests.benchmarks.bench_snapshot import RESULTS
 
 
@@ -27,6 +28,8 @@ def main() -> int:
     status |= bench_snapshot.main(["--threads", "0", "--out", str(RESULTS / "snapshot-default-threads.json")])
     print()
     status |= bench_probe_samples.main([])
+    print()
+    status |= bench_throughput.main([])
     print()
     status |= bench_buckets.main([])
     print(f"\nall benchmarks: {time.perf_counter() - started:.0f}s")
