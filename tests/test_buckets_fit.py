@@ -7,7 +7,6 @@ samples' dataset indices (``tests/bucket_data.py``).
 
 from __future__ import annotations
 
-import logging
 import pickle
 from collections import Counter
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from retune.schedule import parse_byte_size
 from tests import bucket_data
 from tests.bucket_data import BucketModel, IndexedTokens, UnfreezeAt, long_tail_lengths, pad_collate, tokens
 from tests.lightning_ns import pl, seed
+from tests.retune_warnings import retune_warnings
 from tests.varlen import StepPeaks
 
 BUDGET = parse_byte_size(bucket_data.BUDGET)
@@ -251,15 +251,15 @@ class _OwnSamplerModel(BucketModel):
     ],
 )
 def test_loaders_that_cannot_be_bucketed_fall_back_to_fixed_with_one_warning(
-    model_cls: type[BucketModel], reason: str, caplog: pytest.LogCaptureFixture
+    model_cls: type[BucketModel], reason: str
 ) -> None:
     seed(0)
     sched = bucket_data.schedule()
     sched["triggers"] = [{"kind": "fit_start"}, {"kind": "epoch", "at": [1]}]
     finder = ScheduledBatchSizeFinder(sched, sample_size=tokens, verbose=False, write_report=False)
-    with caplog.at_level(logging.WARNING, logger="retune"):
+    with retune_warnings() as said:
         bucket_data.trainer([finder], epochs=2, limit_train_batches=2).fit(model_cls(_data(), batch_size=4))
-    warnings = [r.getMessage() for r in caplog.records if "batching: buckets cannot" in r.getMessage()]
+    warnings = [message for message in said if "batching: buckets cannot" in message]
     assert len(warnings) == 1 and reason in warnings[0] and "batching: fixed" in warnings[0], warnings
     assert finder.bucket_sizes == [] and len(finder.history) == 2
     assert all(e.mode != "buckets" and not e.bucket_sizes for e in finder.history)
