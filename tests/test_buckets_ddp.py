@@ -53,9 +53,10 @@ def test_same_number_of_batches_same_bucket_per_step_every_sample_once(ranks: li
     assert set(seen) == set(range(N))
     buckets = len(ranks[0]["history"][0]["bucket_sizes"])
     assert sum(c - 1 for c in seen.values()) < buckets, "at most one padded sample per bucket's last round"
-    # the two ranks' samples at a step are disjoint (one shard each)
+    # the two ranks' samples at a step are disjoint (one shard each), but for the one sample that pads a
+    # bucket's last round when it is odd (it can be from the same round, when the bucket is that round)
     for a, b in zip(steps[0], steps[1], strict=True):
-        assert not set(a["indices"]) & set(b["indices"]) or len(a["indices"]) == 1
+        assert len(set(a["indices"]) & set(b["indices"])) <= 1
 
 
 def test_every_real_step_of_each_rank_stays_within_the_budget(ranks: list[dict[str, Any]]) -> None:
