@@ -52,13 +52,13 @@ CSV_FIELDS = (
     "peak_bytes",
     "budget_bytes",
     "mode",
+    "bucket_sizes",
+    "bucket_bounds",
+    "samples_per_step",
     "objective",
     "largest",
     "samples_per_s",
     "trial_samples_per_s",
-    "bucket_sizes",
-    "bucket_bounds",
-    "samples_per_step",
 )
 
 StepSeries = Sequence[tuple[int, int]]
