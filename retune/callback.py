@@ -14,14 +14,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from retune import compat, hook_calls, messages, report
+from retune import compat, hook_calls, messages, report, sharded
 from retune.attrs import duplicate_attr_message, loader_batch_size
 from retune.bucketing import BucketState, TrainBuckets
 from retune.callback_io import load_trigger_states, print_above_bar, report_dir, say, trigger_states
-from retune.errors import RetuneError
+from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.events import RetuneEvent, Trial
 from retune.grad_sync import SyncedSteps
 from retune.loading import ScheduleSource, load_schedule
+from retune.loss_items import ItemsFn, resolve_items_fn
+from retune.oom import is_oom_error
+from retune.oom_sites import add_note, oom_site, why_not_recovered
 from retune.ordering import move_retune_last
 from retune.probe_batches import ProbeBatches
 from retune.recovery import EvalStepRecovery, Recovered, TrainStepRecovery
@@ -29,6 +32,7 @@ from retune.search import Direction
 from retune.split import SplitFn
 from retune.stage_search import Policies, StageState, search_stage
 from retune.step_timer import Clock
+from retune.train_steps import install_closure_runner
 from retune.triggers import OutOfMemory, TrainingView, Trigger, build_triggers, evaluate
 from retune.view import training_view
 
@@ -54,6 +58,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             ranks samples by (default: the number of elements in its tensors, numbers and strings).
         clock: with ``search.objective: throughput``, the timer probe steps are read with (default
             ``time.perf_counter``); a simulation or a test passes one that advances by a known step time.
+        loss_items: with the ``oom`` trigger's ``loss_reduction: token_mean``, what the loss averages over:
+            ``fn(batch) -> int`` (or ``"labels"``, ``"shifted_labels"``; see :mod:`retune.loss_items`), in
+            place of the trigger's ``loss_items``.
 
     Example::
 
@@ -82,6 +89,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         split_batch: SplitFn | None = None,
         sample_size: Callable[[Any], int] | None = None,
         clock: Clock | None = None,
+        loss_items: str | Callable[[Any], Any] | None = None,
     ) -> None:
         self.schedule = load_schedule(schedule)
         self.clock = clock
@@ -91,11 +99,13 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
         self.split_batch = split_batch
         self._oom: OutOfMemory | None = next((t for t in self.triggers if isinstance(t, OutOfMemory)), None)
+        self._items_fn = self._resolve_items(schedule, loss_items)
         self._train_recovery: TrainStepRecovery | None = None
         self._eval_recovery: EvalStepRecovery | None = None
         self._undo: list[Callable[[], None]] = []
         self._eval_undo: Callable[[], None] | None = None  # no lambda: ddp_spawn pickles the callback
-        self._resumed_pieces = 1
+        self._resumed_split: tuple[int | None, int] = (None, 1)
+        self._split_resumed = False
         self.verbose = verbose
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.write_report = write_report
@@ -136,6 +146,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             self._say("fast_dev_run is on: skipping every batch-size search in this run", warn=True)
             return
         compat.check_strategy(trainer)
+        if self._oom is not None:  # every stage: evaluation steps are recovered in micro-batches too
+            sharded.check_oom_trigger(trainer)
         if compat.unshare_spawned_weights(trainer, pl_module):
             log.debug("ddp_spawn left this rank's CPU weights in shared memory; gave it its own copy")
         stages = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[stage]
@@ -189,7 +201,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         if self._disabled:
             return
         if self._train_recovery is not None:
-            self._train_recovery.pieces = 1  # each epoch starts whole, at the size the search picks now
+            # each epoch starts whole, at the size the search picks now; a run resumed mid-epoch keeps its split
+            self._train_recovery.new_epoch(keep_split=self._split_resumed)
+            self._split_resumed = False
         if self._oom is not None and compat.is_distributed(trainer):
             # a rank that ran out of memory tells the others, so rank zero's trigger decision includes it
             failures = {} if self._buckets is None else self._buckets.failures
@@ -217,13 +231,18 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if self._disabled or self._oom is None:
             return
+        reduction = self._oom.loss_reduction
         recovery = TrainStepRecovery(
             lambda: list(pl_module.parameters()),
             split_fn=self.split_batch,
-            loss_reduction="sum" if self._oom.loss_reduction == "sum" else "mean",
+            loss_reduction="sum" if reduction == "sum" else "token_mean" if reduction == "token_mean" else "mean",
             on_recovered=lambda done: self._recovered(trainer, pl_module, "train", done),
+            items_fn=self._items_fn,
+            module=pl_module,
+            warn=lambda message: self._say(message, warn=True),
         )
-        recovery.pieces, self._resumed_pieces = self._resumed_pieces, 1
+        (recovery.max_size, recovery.pieces), self._resumed_split = self._resumed_split, (None, 1)
+        self._split_resumed = recovery.max_size is not None or recovery.pieces > 1
         self._train_recovery = recovery
         run: Callable[[Any], Any] = recovery.run
         if compat.is_distributed(trainer):
@@ -241,12 +260,15 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             )
             run = synced.run
             self._undo.append(synced.close)
-        self._undo += [compat.install_closure_runner(trainer, run), recovery.close]
+        self._undo += [install_closure_runner(trainer, run), recovery.close]
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._uninstall()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self._oom is not None and not self._disabled and is_oom_error(exception):
+            # an OOM the recovery did not see (a hook before or after the step): say where, and why not
+            add_note(exception, why_not_recovered(oom_site(exception.__traceback__)))
         self._uninstall()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
@@ -280,6 +302,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             "history": [event.to_dict() for event in self.history],
             "triggers": trigger_states(self.triggers),
             # the split the epoch keeps after a recovered OOM: a run resumed mid-epoch need not fail again first
+            "oom_max_size": None if self._train_recovery is None else self._train_recovery.max_size,
             "oom_pieces": 1 if self._train_recovery is None else self._train_recovery.pieces,
             "buckets": None if self._buckets is None else self._buckets.state.to_dict(),
         }
@@ -290,12 +313,30 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self.history = [RetuneEvent.from_dict(e) for e in state_dict.get("history", [])]
         load_trigger_states(self.triggers, state_dict.get("triggers", []))
         self._restored = True
-        self._resumed_pieces = int(state_dict.get("oom_pieces", 1))
+        max_size = state_dict.get("oom_max_size")
+        self._resumed_split = (None if max_size is None else int(max_size), int(state_dict.get("oom_pieces", 1)))
         saved_buckets = state_dict.get("buckets")
         if self._buckets is not None and saved_buckets:
             self._buckets.state = BucketState.from_dict(saved_buckets)
 
     # -- out-of-memory recovery (the `oom` trigger; the mechanics live in retune.recovery) ------
+
+    def _resolve_items(self, source: Any, loss_items: str | Callable[[Any], Any] | None) -> ItemsFn | None:
+        """The ``token_mean`` counting function, resolved now so a wrong path fails when the callback is built."""
+        configured = None if self._oom is None else self._oom.loss_items
+        if loss_items is not None and configured is not None:
+            raise RetuneError(
+                f"loss_items is given twice: as a constructor argument ({loss_items!r}) and as the oom trigger's "
+                f"loss_items ({configured!r}) in the schedule; keep one"
+            )
+        if loss_items is not None and not callable(loss_items) and not isinstance(loss_items, str):
+            raise RetuneError(f"loss_items must be a function fn(batch) -> int or a name, got {loss_items!r}")
+        try:
+            return resolve_items_fn(loss_items if loss_items is not None else configured)
+        except ValueError as exc:
+            name = str(source) if isinstance(source, (str, Path)) else "<schedule>"
+            index = next((i for i, t in enumerate(self.schedule.triggers) if t.kind == "oom"), 0)
+            raise ScheduleError(name, [FieldProblem(f"triggers[{index}].loss_items", str(exc))]) from None
 
     def _guard_eval(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Recover an evaluation step that runs out of memory, for this loop run (after its search)."""
@@ -337,7 +378,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         size = compat.get_batch_attr(trainer, pl_module, name) if compat.has_batch_attr(trainer, pl_module, name) else 0
         samples = done.samples or size
         size = size or samples
-        largest_piece = -(-samples // done.pieces)
+        largest_piece = done.micro_size or -(-samples // done.pieces)
         bucket = None
         if stage == "train" and self._oom is not None:
             self._oom.record(failed_size=samples, fitting_size=largest_piece)

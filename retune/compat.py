@@ -32,6 +32,8 @@ import torch
 
 from retune import combined_loaders, hook_calls
 from retune.errors import RetuneError
+from retune.sharded import check_strategy as check_strategy
+from retune.sharded import strategy_kind as _strategy_kind
 
 _NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -178,13 +180,20 @@ def request_dataloader(trainer: Any, stage: str) -> Any:
 
 def reload_dataloader(trainer: Any, stage: str) -> None:
     """Make the loop that is about to run ``stage`` iterate a dataloader built at the current batch size."""
+    set_epoch = _module(namespace_of(trainer) + ".loops.fit_loop")._set_sampler_epoch
     if is_legacy(trainer):
         getattr(trainer, f"reset_{stage}_dataloader")(trainer.lightning_module)
+        if stage == "train":  # the loop set the epoch on the loader this one replaces (shuffle order)
+            set_epoch(trainer.train_dataloader, trainer.fit_loop.epoch_progress.current.processed)
         return
     if stage == "train":
         loop = trainer.fit_loop
         loop._combined_loader = None
         loop.setup_data()
+        # the loop gave the loader this one replaces its epoch (a DistributedSampler's shuffle order);
+        # without it the new loader would replay epoch 0's order
+        for loader in loop._combined_loader.flattened:
+            set_epoch(loader, loop.epoch_progress.current.processed)
         return
     loop = _eval_loop(trainer, stage)
     loop._combined_loader = None
@@ -288,27 +297,13 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 # -- distributed -------------------------------------------------------------------------------
 
 
-def _strategy_kind(trainer: Any) -> str:
-    """``single``, ``ddp`` (data parallel: every rank holds the whole model) or the unsupported name."""
-    if int(getattr(trainer, "world_size", 1)) <= 1:
-        return "single"
-    names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
-    if names & {"DDPStrategy", "DDPSpawnStrategy"}:
-        return "ddp"
-    return type(trainer.strategy).__name__
-
-
-def check_strategy(trainer: Any) -> None:
-    """Refuse sharded strategies: a probe runs the unwrapped module, which they do not keep whole."""
-    kind = _strategy_kind(trainer)
-    if kind not in ("single", "ddp"):
-        raise RetuneError(
-            f"ScheduledBatchSizeFinder supports a single device and DDP (ddp, ddp_spawn); {kind} shards the "
-            "model, which probes on the unwrapped module cannot run. See the README on FSDP."
-        )
-
-
 def is_distributed(trainer: Any) -> bool:
+    """More than one rank that must agree on every decision (DDP, or FSDP2 on several devices)."""
+    return _strategy_kind(trainer) in ("ddp", "fsdp2") and int(getattr(trainer, "world_size", 1)) > 1
+
+
+def is_ddp(trainer: Any) -> bool:
+    """DDP on several ranks: every rank holds the whole model (a probe may run the unwrapped module)."""
     return _strategy_kind(trainer) == "ddp"
 
 
@@ -325,7 +320,7 @@ def unshare_spawned_weights(trainer: Any, pl_module: Any) -> bool:
     """
     strategy = trainer.strategy
     spawned_on_cpu = getattr(strategy, "_start_method", None) == "spawn" and strategy.root_device.type == "cpu"
-    if not (is_distributed(trainer) and spawned_on_cpu):
+    if not (is_ddp(trainer) and spawned_on_cpu):
         return False
     tensors = [*pl_module.parameters(), *pl_module.buffers()]
     shared = [t for t in tensors if t.device.type == "cpu" and t.is_shared()]
@@ -379,7 +374,7 @@ def _no_ddp_sync(trainer: Any) -> Iterator[None]:
 def _forward(trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> Any:
     """The user's ``training_step``, with the arguments Lightning would pass it (``hook_calls``)."""
     strategy = trainer.strategy
-    if is_distributed(trainer):
+    if is_ddp(trainer):
         with strategy.precision_plugin.train_step_context():
             return hook_calls.call_step(trainer, pl_module, "train", batch, batch_idx)
     return strategy.training_step(*hook_calls.step_args(trainer, pl_module, "train", batch, batch_idx))
@@ -422,7 +417,7 @@ def training_step(
     forward-and-backward closure (automatic optimization), so a caller can act between backward and
     the optimizer step, before gradient clipping (the range test averages gradients across ranks there).
     """
-    if is_distributed(trainer):
+    if is_ddp(trainer):
         with _no_ddp_sync(trainer):
             return _training_step(trainer, pl_module, batch, batch_idx, wrap_closure)
     return _training_step(trainer, pl_module, batch, batch_idx, wrap_closure)
@@ -645,51 +640,6 @@ def _automatic_loop(trainer: Any) -> Any:
     if is_legacy(trainer):
         return epoch_loop.batch_loop.optimizer_loop
     return epoch_loop.automatic_optimization
-
-
-def install_closure_runner(trainer: Any, run: Callable[[Any], Any]) -> Callable[[], None]:
-    """Route the body of every training closure the fit loop builds through ``run``; returns the undo.
-
-    ``run`` receives a :class:`retune.recovery.StepParts` for the batch and returns the loop's step
-    result (Lightning's ``ClosureResult``). Everything around the closure (``optimizer_step``, the
-    precision plugin's gradient clipping and grad scaler, progress counters) stays Lightning's.
-    Patched on the loop instance only, so nothing outside this trainer changes.
-    """
-    from retune.recovery import StepParts
-
-    loop = _automatic_loop(trainer)
-    original = loop._make_closure
-
-    def make_closure(kwargs: Any, optimizer: Any, *rest: Any) -> Any:
-        closure = original(kwargs, optimizer, *rest)
-
-        def forward(batch: Any) -> Any:
-            step_kwargs = type(kwargs)(kwargs)
-            step_kwargs["batch"] = batch
-            return loop._training_step(step_kwargs)
-
-        parts = StepParts(
-            batch=kwargs["batch"],
-            forward=forward,
-            zero_grad=closure._zero_grad_fn,
-            backward=closure._backward_fn,
-            loss_of=lambda result: result.closure_loss,
-            with_loss=lambda result, loss: dataclasses.replace(result, closure_loss=loss),
-            micro_logging=lambda batch, keep: micro_batch_logging(trainer, batch, keep),
-            save_logs=lambda: save_logged_metrics(trainer),
-            journal_logs=lambda: journal_logged_metrics(trainer),
-            where=lambda: f"epoch {trainer.current_epoch}, global step {trainer.global_step}",
-        )
-        closure.closure = lambda *args, **kw: run(parts)
-        return closure
-
-    loop._make_closure = make_closure
-
-    def undo() -> None:
-        if vars(loop).get("_make_closure") is make_closure:
-            del loop._make_closure
-
-    return undo
 
 
 def ddp_wrapper(trainer: Any) -> Any | None:

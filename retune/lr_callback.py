@@ -108,7 +108,7 @@ class ScheduledLRFinder(*_BASES):  # type: ignore[misc]
             return
         if stage != "fit":
             return
-        if int(getattr(trainer, "world_size", 1)) > 1 and not compat.is_distributed(trainer):
+        if int(getattr(trainer, "world_size", 1)) > 1 and not compat.is_ddp(trainer):
             raise RetuneError(
                 "ScheduledLRFinder supports a single device and DDP (ddp, ddp_spawn); "
                 f"{type(trainer.strategy).__name__} shards the model, which range-test steps on the unwrapped module "

@@ -38,6 +38,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from retune.local_shards import local
+
 
 class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Live tensor bytes allocated while the mode is active, and their peak.
@@ -88,13 +90,13 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = {
-            leaf.untyped_storage()._cdata
+            local(leaf).untyped_storage()._cdata
             for leaf in tree_leaves((args, kwargs or {}))
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"
         }
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-                self._track(leaf, inputs)
+                self._track(local(leaf), inputs)  # a sharded (DTensor) result: its local shard
         return out
 
     def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
@@ -120,7 +122,7 @@ def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Opt
 
     def add(tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor):
-            storage = tensor.untyped_storage()
+            storage = local(tensor).untyped_storage()
             seen[storage._cdata] = storage.nbytes()
 
     for param in module.parameters():

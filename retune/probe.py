@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 from retune import compat
+from retune.collective_guard import PeerFailed
 from retune.errors import RetuneError
 from retune.memory import measure_peak, tensor_bytes
 from retune.oom import is_oom_error
+from retune.sharded import sharded_trials
 from retune.snapshot import TrainingSnapshot, sampler_generators
 from retune.split import SplitError, batch_length
 from retune.step_timer import Clock, default_clock, timed
@@ -107,10 +109,13 @@ class Prober:
         self._times: list[float] | None = None  # the current trial's step seconds
         self._snapshot: TrainingSnapshot | None = None
         self._trials_run = 0  # in the current session
+        self._sharded = sharded_trials(trainer, pl_module)  # FSDP2: guarded trials, reset after a failure
 
     @contextmanager
     def session(self) -> Iterator[Callable[[int], bool]]:
         """Snapshot the training state, yield ``fits(size)``, and always restore on the way out."""
+        if self._sharded is not None:
+            self._sharded.prepare()
         self._snapshot = capture_run_state(self.trainer, self.pl_module, training=self.stage == "train")
         self._trials_run = 0
         try:
@@ -118,6 +123,8 @@ class Prober:
         finally:
             self._snapshot.restore()
             self._snapshot = None
+            if self._sharded is not None:
+                self._sharded.prepare()  # an evaluation probe leaves FSDP2's root unsharded: as before the search
             _free_memory(collect=False)
 
     @property
@@ -147,7 +154,9 @@ class Prober:
         A trial fails on an out-of-memory error or a peak above the budget; any other error propagates
         after the state is restored. Under DDP every rank runs the trial, then the outcome is agreed in
         exactly one collective call whatever happened locally: the trial fits only if it fit on every
-        rank, the peak is the largest rank's, and an error on any rank is raised on all of them.
+        rank, the peak is the largest rank's, and an error on any rank is raised on all of them. Under
+        FSDP2 a rank whose trial fails stops the others at their next collective (``"peer"``: they
+        stopped because another rank failed), so every rank reaches that agreement.
         """
         status, peak, error = self._local_trial(size)
         message = "" if error is None else f"{type(error).__name__}: {error}"
@@ -180,17 +189,20 @@ class Prober:
         status, error, peak = "fits", None, None
         self._times = None
         try:
-            if self._trials_run:
-                self._snapshot.reset()  # start from the captured state, not the previous trial's
-            self._trials_run += 1
-            loader = compat.request_dataloader(self.trainer, self.stage)
-            generators = [(g, g.get_state()) for g in sampler_generators(loader)]
-            if self.arrange is not None:
-                loader = self.arrange(loader)
-            with compat.hooks_isolated(self.trainer, self.pl_module, self.stage):
-                peak = self._run_steps(loader, size)
+            with self._isolated():
+                if self._trials_run:
+                    self._snapshot.reset()  # start from the captured state, not the previous trial's
+                self._trials_run += 1
+                loader = compat.request_dataloader(self.trainer, self.stage)
+                generators = [(g, g.get_state()) for g in sampler_generators(loader)]
+                if self.arrange is not None:
+                    loader = self.arrange(loader)
+                with compat.hooks_isolated(self.trainer, self.pl_module, self.stage):
+                    peak = self._run_steps(loader, size)
         except BaseException as exc:
-            if is_oom_error(exc):
+            if isinstance(exc, PeerFailed):
+                status = "peer"
+            elif is_oom_error(exc):
                 status = "oom"
             else:
                 status, error = "error", exc
@@ -203,6 +215,9 @@ class Prober:
             for generator, state in generators:
                 generator.set_state(state)
         return status, (peak if status == "fits" else None), error
+
+    def _isolated(self) -> Any:
+        return nullcontext() if self._sharded is None else self._sharded.trial()
 
     def _run_steps(self, loader: Any, size: int) -> int | None:
         """Run the steps; return the largest step peak (None when not tracked or not measurable).

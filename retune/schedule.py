@@ -281,11 +281,29 @@ class OomTrigger(_Config):
     search again at the next epoch start, below the size that failed."""
 
     kind: Literal["oom"] = "oom"
-    loss_reduction: Literal["mean", "sum"] = Field(
+    loss_reduction: Literal["mean", "sum", "token_mean"] = Field(
         "mean",
-        description="How training_step's loss combines samples: mean weights each micro-batch's loss by its "
-        "share of the batch, sum adds them, so the recovered step's update equals the whole batch's.",
+        description="How training_step's loss combines the batch, so that a step recovered in micro-batches "
+        "makes the whole batch's update: mean (over samples) weights each micro-batch's loss by its share of "
+        "the samples, token_mean (over labelled tokens, Hugging Face's token-classification, masked-LM and "
+        "causal-LM losses) by its share of the items loss_items counts, sum adds them.",
     )
+    loss_items: Union[StrictStr, None] = Field(
+        None,
+        description="token_mean: what the loss averages over. labels (default): entries of batch['labels'] that "
+        "are not -100; shifted_labels: batch['labels'][..., 1:] that are not -100 (a causal LM's shifted loss); "
+        "or a dotted path to fn(batch) -> int, e.g. 'mypkg.items.count'.",
+    )
+
+    @field_validator("loss_items")
+    @classmethod
+    def _items(cls, value: str | None) -> str | None:
+        if value is not None and value not in ("labels", "shifted_labels") and not _DOTTED_RE.match(value):
+            raise ValueError(
+                f"{value!r} is neither labels, shifted_labels nor a dotted path to a function; write "
+                "'package.module.function' or 'package.module:function'"
+            )
+        return value
 
 
 TriggerConfig = Annotated[
@@ -335,8 +353,8 @@ class LRFindConfig(_Config):
     steps: StrictInt = Field(100, ge=2, description="Training steps (one batch each) in one range test.")
     early_stop_threshold: Union[Annotated[StrictFloat, Field(gt=1.0, allow_inf_nan=False)], None] = Field(
         4.0,
-        description="Stop the test once the smoothed loss exceeds this many times its lowest value (a non-finite "
-        "loss always stops it); null: run every step.",
+        description="Stop the test once the smoothed loss exceeds this many times the larger of its lowest value "
+        "and its value at the third step (a non-finite loss always stops it); null: run every step.",
     )
     smoothing: StrictFloat = Field(
         0.98, ge=0.0, lt=1.0, description="Exponential moving average factor for the loss (0: no smoothing)."

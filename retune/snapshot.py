@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from retune.host_copy import contiguous_strides, host_copies
+from retune.local_shards import is_sharded, like_sharded, local
 
 
 @dataclass
@@ -59,13 +60,13 @@ class _Kept:
         if self.held:
             self.copy.copy_(self.original)
             return self.copy
-        self.original.copy_(self.copy)
+        local(self.original).copy_(self.copy)  # a sharded tensor: this rank's shard, in place
         return self.original
 
     def for_run(self) -> torch.Tensor:
         """Put the captured values back into the run's own tensor (for a held one: nothing to copy)."""
         if not self.held:
-            self.original.copy_(self.copy)
+            local(self.original).copy_(self.copy)
         return self.original
 
 
@@ -75,6 +76,7 @@ class _ParamState:
     data: _Kept
     grad: torch.Tensor | None  # the parameter's own gradient when ``grad_is_held``, else a host copy
     grad_is_held: bool = False
+    sharded: bool = False  # a DTensor parameter (FSDP2): written in place, never re-pointed
 
 
 @dataclass
@@ -130,7 +132,7 @@ class TrainingSnapshot:
         optimizers = _with_inner_optimizers(optimizers)
         trainable = [p for p in module.parameters() if p.requires_grad or p.grad is not None] if include_params else []
         trainable_ids = {id(p) for p in trainable}
-        held_grads = [p for p in trainable if p.grad is not None and _host_resident(p.grad)]
+        held_grads = [p for p in trainable if p.grad is not None and _grad_holdable(p.grad)]
         held_grad_ids = {id(p) for p in held_grads}
         buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
         for sub in module.modules():
@@ -162,7 +164,8 @@ class TrainingSnapshot:
         others = [t for t in sources if id(t) not in holdable_ids] + [buf for _, _, buf in buffers]
         others = list({id(t): t for t in others}.values())
         kept_tensors = [*holdable, *others]
-        copies = dict(zip(map(id, kept_tensors), host_copies(kept_tensors), strict=True))
+        # a sharded tensor is kept as this rank's shard: no gather, memory in proportion to the shard
+        copies = dict(zip(map(id, kept_tensors), host_copies([local(t) for t in kept_tensors]), strict=True))
         snap.nbytes = sum(_nbytes(t) for t in kept_tensors)
 
         def kept(tensor: torch.Tensor, original: torch.Tensor) -> _Kept:
@@ -178,9 +181,14 @@ class TrainingSnapshot:
         # a parameter's original is an alias of its data at capture: the run's parameter object stays,
         # and whatever a probe points its ``.data`` at, the put-back points it at that storage again
         snap.params = [
-            _ParamState(p, kept(p, p.data), p.grad, grad_is_held=True)
+            _ParamState(p, kept(p, p if is_sharded(p) else p.data), p.grad, grad_is_held=True, sharded=is_sharded(p))
             if id(p) in held_grad_ids
-            else _ParamState(p, kept(p, p.data), None if p.grad is None else copies[id(p.grad)])
+            else _ParamState(
+                p,
+                kept(p, p if is_sharded(p) else p.data),
+                None if p.grad is None else copies[id(p.grad)],
+                sharded=is_sharded(p),
+            )
             for p in trainable
         ]
         snap.buffers = [(sub, name, kept(buf, buf)) for sub, name, buf in buffers]
@@ -235,18 +243,22 @@ class TrainingSnapshot:
         with torch.no_grad():
             for entry in self.params:
                 # always re-pointed, held or not: a probe may have pointed ``.data`` elsewhere
-                # (``p.data = p.data.clamp(...)``, max-norm constraints, ``module.to()``)
-                entry.param.data = entry.data.for_run() if final else entry.data.for_probe()
+                # (``p.data = p.data.clamp(...)``, max-norm constraints, ``module.to()``); a sharded
+                # parameter is FSDP2's own storage, which it all-gathers from: written in place only
+                values = entry.data.for_run() if final else entry.data.for_probe()
+                if not entry.sharded:
+                    entry.param.data = values
                 if not final:
                     entry.param.grad = None
                 elif entry.grad_is_held:
                     entry.param.grad = entry.grad
                 elif entry.grad is None:
                     entry.param.grad = None
-                elif entry.param.grad is not None and entry.param.grad.shape == entry.grad.shape:
-                    entry.param.grad.copy_(entry.grad)
+                elif entry.param.grad is not None and local(entry.param.grad).shape == entry.grad.shape:
+                    local(entry.param.grad).copy_(entry.grad)
                 else:  # in the parameter's layout (channels_last): the host copy is contiguous
-                    entry.param.grad = torch.empty_like(entry.param.detach()).copy_(entry.grad)
+                    shard = torch.empty_like(local(entry.param).detach()).copy_(entry.grad)
+                    entry.param.grad = like_sharded(shard, entry.param)
             for sub, name, buffer in self.buffers:  # never held: written back in place either way
                 sub._buffers[name] = buffer.for_run()
         for sub, training in self.modes:
@@ -278,11 +290,25 @@ def _with_inner_optimizers(optimizers: Sequence[torch.optim.Optimizer]) -> list[
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    """Bytes this rank holds: a sharded tensor's local shard, not the whole tensor it stands for."""
+    shard = local(tensor)
+    return shard.numel() * shard.element_size()
 
 
 def _storage_ptr(tensor: torch.Tensor) -> int:
-    return int(tensor.untyped_storage().data_ptr())
+    return int(local(tensor).untyped_storage().data_ptr())
+
+
+def _grad_holdable(grad: torch.Tensor) -> bool:
+    """Whether a gradient can be set aside by reference instead of copied.
+
+    A sharded (FSDP2) gradient in host memory can, although its shard is a view of the buffer its
+    reduce-scatter wrote: FSDP2 gives each reduce-scatter a fresh buffer, and the probes run with
+    the gradient ``None``, so nothing writes into the set-aside one.
+    """
+    if is_sharded(grad):
+        return grad.device.type == "cpu"
+    return _host_resident(grad)
 
 
 def _host_resident(tensor: torch.Tensor) -> bool:

@@ -42,53 +42,77 @@ def piece_sizes(total: int, pieces: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(pieces)]
 
 
+def pieces_for(total: int, max_size: int, min_size: int = 1) -> int:
+    """How many near-equal pieces cut ``total`` samples into micro-batches of at most ``max_size``.
+
+    ``min_size`` (2 for a model with BatchNorm layers in training mode, which cannot normalise one
+    sample) wins over ``max_size`` where both cannot hold: 3 samples at ``max_size`` 2 are one piece
+    of 3 rather than 2 + 1.
+
+    >>> pieces_for(16, 8), pieces_for(3, 8), pieces_for(17, 8), pieces_for(3, 2), pieces_for(3, 2, min_size=2)
+    (2, 1, 3, 2, 1)
+    """
+    pieces = max(1, -(-total // max(1, max_size)))
+    if min_size > 1 and total // pieces < min_size:
+        pieces = max(1, total // min_size)
+    return pieces
+
+
 def batch_length(batch: Any) -> int | None:
     """The number of samples in ``batch``: the leading dimension its tensors share (None if it has none).
 
     Raises :class:`SplitError` when the batch dimension is ambiguous, since a split would then pair
     samples wrongly: tensors that disagree on their leading dimension, or a list of per-sample values
     (labels, strings) whose length is not that dimension (a ``tuple(zip(*samples))`` collate, whose
-    tuple of images would otherwise be cut along the channels).
+    tuple of images would otherwise be cut along the channels). The message names the fields
+    (``batch['pos_weight']``) so the user knows which one to move out of the batch.
     """
-    lengths: set[int] = set()
-    per_sample: set[int] = set()
-    _collect_lengths(batch, lengths, per_sample, top=True)
+    lengths: dict[int, str] = {}
+    per_sample: dict[int, str] = {}
+    _collect_lengths(batch, lengths, per_sample, "batch", top=True)
     if len(lengths) > 1:
+        fields = ", ".join(f"{path} has {n}" for n, path in sorted(lengths.items(), key=lambda item: -item[0]))
         raise SplitError(
             f"the tensors of this {type(batch).__name__} batch disagree on their first dimension "
-            f"({sorted(lengths)}), so retune cannot tell the batch dimension; pass split_batch=fn"
+            f"({sorted(lengths)}: {fields}), so retune cannot tell the batch dimension; move the tensor that "
+            "is not per sample out of the batch (onto the module), or pass split_batch=fn"
         )
     total = next(iter(lengths)) if lengths else None
-    if total is not None and per_sample - {total}:
+    odd = {n: path for n, path in per_sample.items() if n != total}
+    if total is not None and odd:
+        fields = ", ".join(f"{path} has {n}" for n, path in sorted(odd.items()))
         raise SplitError(
             f"this {type(batch).__name__} batch holds tensors with {total} rows and lists of "
-            f"{sorted(per_sample - {total})} per-sample values (a tuple(zip(*samples)) collate?), so retune "
+            f"{sorted(odd)} per-sample values ({fields}; a tuple(zip(*samples)) collate?), so retune "
             "cannot tell the batch dimension; stack the samples in your collate_fn or pass split_batch=fn"
         )
     return total
 
 
-def _collect_lengths(value: Any, lengths: set[int], per_sample: set[int], top: bool = False) -> None:
+def _collect_lengths(
+    value: Any, lengths: dict[int, str], per_sample: dict[int, str], path: str, top: bool = False
+) -> None:
     if isinstance(value, torch.Tensor):
         if value.dim() > 0:
-            lengths.add(int(value.shape[0]))
+            lengths.setdefault(int(value.shape[0]), path)
         return
     if isinstance(value, (str, bytes)) or value is None or isinstance(value, (int, float, bool)):
         return
     if isinstance(value, Mapping):
-        for item in value.values():
-            _collect_lengths(item, lengths, per_sample)
+        for key, item in value.items():
+            _collect_lengths(item, lengths, per_sample, f"{path}[{key!r}]")
         return
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            _collect_lengths(getattr(value, f.name), lengths, per_sample)
+            _collect_lengths(getattr(value, f.name), lengths, per_sample, f"{path}.{f.name}")
         return
     if isinstance(value, (list, tuple)):
         if _is_container_of_batches(value) and not (not top and _all_same_shape_tensors(value)):
-            for item in value:
-                _collect_lengths(item, lengths, per_sample)
+            fields = getattr(value, "_fields", None)
+            for i, item in enumerate(value):
+                _collect_lengths(item, lengths, per_sample, f"{path}.{fields[i]}" if fields else f"{path}[{i}]")
         elif value:
-            per_sample.add(len(value))
+            per_sample.setdefault(len(value), path)
         return
     if top:
         raise SplitError(_unknown_type_message(value))
@@ -222,4 +246,4 @@ def join_outputs(outputs: Sequence[Any], sizes: Sequence[int | None] | None = No
     return outputs[-1]
 
 
-__all__ = ["SplitError", "SplitFn", "batch_length", "join_outputs", "piece_sizes", "split_batch"]
+__all__ = ["SplitError", "SplitFn", "batch_length", "join_outputs", "piece_sizes", "pieces_for", "split_batch"]

@@ -194,8 +194,9 @@ class OutOfMemory:
 
     kind = "oom"
 
-    def __init__(self, loss_reduction: str = "mean") -> None:
+    def __init__(self, loss_reduction: str = "mean", loss_items: str | None = None) -> None:
         self.loss_reduction = loss_reduction
+        self.loss_items = loss_items
         self.failed_size: int | None = None
         """The smallest batch size that ran out of memory since the last epoch start."""
         self.fitting_size: int | None = None
@@ -239,7 +240,7 @@ def build_triggers(configs: Sequence[TriggerConfig]) -> list[Trigger]:
         elif isinstance(config, FtsPhaseTrigger):
             triggers.append(FtsPhase())
         elif isinstance(config, OomTrigger):
-            triggers.append(OutOfMemory(config.loss_reduction))
+            triggers.append(OutOfMemory(config.loss_reduction, config.loss_items))
         else:  # pragma: no cover - the schedule's discriminated union admits nothing else
             raise TypeError(f"unknown trigger config {config!r}")
     return triggers

@@ -25,6 +25,8 @@ RUNS = {
     "none_acc": ["none", "{out}", "2"],
     "backward_acc": ["backward", "{out}", "2"],
     "single": ["single", "{out}"],
+    "token_none": ["token_none", "{out}"],
+    "token": ["token", "{out}"],
 }
 
 
@@ -74,3 +76,21 @@ def test_a_sample_that_fits_nowhere_stops_every_rank_without_a_hang(runs: dict[s
     rank0, rank1 = _ranks(run)
     assert "one sample does not fit" in rank1["error"]
     assert "other rank(s) failed" in rank0["error"]
+
+
+def test_token_mean_step_logs_and_outputs_under_ddp_equal_the_run_with_memory(runs: dict[str, Any]) -> None:
+    """Rank 1 splits its batches of a token-mean loss; the step-level loss is logged with ``sync_dist=True`` (one
+    collective per step on every rank, as without an OOM), and a ReduceLROnPlateau monitors it per step."""
+    rank0, rank1 = _ranks(runs["token"])
+    ref0, ref1 = _ranks(runs["token_none"])
+    assert runs["token"]["returncode"] == 0, runs["token"]["output"][-4000:]
+    assert "error" not in rank0 and "error" not in rank1, rank1.get("traceback", rank0.get("traceback"))
+    assert rank1["recoveries"] and not rank0["recoveries"]
+    assert rank0["global_step"] == rank1["global_step"] == ref0["global_step"]
+    assert _max_diff(rank0["weights"], rank1["weights"]) == 0.0
+    assert _max_diff(rank0["weights"], ref0["weights"]) < 1e-5
+    for got, ref in ((rank0, ref0), (rank1, ref1)):
+        assert got["step_losses"] == pytest.approx(ref["step_losses"], abs=1e-5)
+        assert got["lrs"] == ref["lrs"]
+        assert all(rows == size for rows, size in got["output_rows"])
+    assert {count for _, count in rank1["trained"]} == {1}

@@ -59,6 +59,15 @@ def test_range_test_stops_on_divergence_but_not_in_its_first_steps() -> None:
     assert test.stopped_early and test.steps_run == 4 and test.tested_lrs == test.lrs[:4]
 
 
+def test_noise_near_a_low_loss_is_not_divergence() -> None:
+    """Mid-run the loss sits near its floor and batches differ several-fold: only a rise above where the
+    test started stops it, not 4x the lowest (noisy) value."""
+    noisy = [0.08, 0.03, 0.05, 0.01, 0.09, 0.02, 0.12, 0.03] * 3
+    test = RangeTest([1e-7] * len(noisy) + [1.0, 1.0], beta=0.0, threshold=4.0)
+    assert not any(test.record(v) for v in noisy)
+    assert test.record(1.0)  # 1.0 > 4 x 0.05, the level at the start
+
+
 def test_range_test_runs_to_the_end_and_a_nan_always_stops() -> None:
     test = RangeTest([0.1, 0.2, 0.3], beta=0.0, threshold=None)
     assert [test.record(v) for v in (3.0, 2.0, 1.0)] == [False, False, True]

@@ -51,7 +51,6 @@ def _parts(net: Net, batch: tuple[torch.Tensor, torch.Tensor], capacity: int, wh
         backward=lambda loss: loss.backward(),
         loss_of=lambda r: r["loss"],
         with_loss=lambda r, loss: {**r, "loss": loss},
-        micro_logging=lambda b, keep: contextlib.nullcontext(),
         where=lambda: "epoch 0, global step 7",
         save_logs=kw.get("save_logs", lambda: lambda: None),
     )
@@ -76,7 +75,7 @@ def test_recovered_gradients_equal_the_whole_batch(where: str, capacity: int) ->
     result = recovery.run(_parts(net, batch, capacity, where))
     for got, want in zip([p.grad for p in net.parameters()], _whole_batch_grads(batch), strict=True):
         assert got is not None and torch.allclose(got, want, atol=1e-6)
-    assert seen == [Recovered(8, 8 // capacity, where)] and recovery.pieces == 8 // capacity
+    assert seen == [Recovered(8, 8 // capacity, where, capacity)] and recovery.max_size == capacity
     whole_loss = nn.functional.cross_entropy(Net().head(Net().body(batch[0])), batch[1])
     assert torch.allclose(result["loss"], whole_loss, atol=1e-6)
     assert all(p.requires_grad for p in net.parameters())  # finished parameters are unfrozen again
@@ -101,7 +100,7 @@ def test_a_failed_round_of_micro_batches_restores_the_logs_and_splits_further() 
     recovery = TrainStepRecovery(lambda: list(net.parameters()))
     parts = _parts(net, _batch(), 2, "forward", calls=calls, save_logs=lambda: lambda: restored.append(1))
     recovery.run(parts)
-    assert recovery.pieces == 4 and calls["zero_grad"] == 1  # 2 pieces failed, 4 fit; zero_grad once
+    assert recovery.max_size == 2 and calls["zero_grad"] == 1  # pieces of 4 failed, of 2 fit; zero_grad once
     assert restored == [1]  # the 2-piece round failed, so what its micro-batches logged was rolled back
 
 
@@ -131,9 +130,12 @@ def test_a_kept_split_runs_later_batches_in_pieces_without_a_failed_attempt() ->
     net, seen = Net(), []
     calls: dict[str, Any] = {"zero_grad": 0, "logs": []}
     recovery = TrainStepRecovery(lambda: list(net.parameters()), on_recovered=seen.append)
-    recovery.pieces = 4
+    recovery.max_size = 2
     recovery.run(_parts(net, _batch(), 100, "forward", calls=calls))
     assert calls["logs"] == [2, 2, 2, 2] and seen == []  # no OOM, no event
+    calls["logs"].clear()
+    recovery.run(_parts(net, _batch(2), 100, "forward", calls=calls))
+    assert calls["logs"] == [2]  # a batch no larger than the kept size runs whole
 
 
 def test_a_parameter_unfrozen_later_is_hooked() -> None:
@@ -189,8 +191,32 @@ def test_eval_step_joins_outputs_and_reports() -> None:
     wrapped = EvalStepRecovery(step, logging=lambda b: contextlib.nullcontext(), on_recovered=seen.append)
     got = wrapped(torch.arange(10.0), 0, 1)
     assert torch.equal(got["out"], torch.arange(10.0) * 2) and got["idx"] == 1
-    assert seen == [Recovered(10, 4, "forward")] and wrapped.pieces == 4
+    assert seen == [Recovered(10, 4, "forward", 3)] and wrapped.max_size == 3
     with pytest.raises(ValueError, match="not an OOM"):
         EvalStepRecovery(lambda b: (_ for _ in ()).throw(ValueError("not an OOM")), lambda b: contextlib.nullcontext())(
             torch.zeros(2)
         )
+
+
+def test_a_recovered_steps_logged_values_combine_as_the_whole_batch() -> None:
+    """``retune.train_steps``: each key once per step, weighted like the loss, with the whole batch's size."""
+    from types import SimpleNamespace
+
+    from retune.train_steps import _batch_size, _combine
+
+    def meta(kind: str) -> Any:
+        kinds = ("mean", "sum", "max", "min")
+        return SimpleNamespace(**{f"is_{k}_reduction": k == kind for k in kinds})
+
+    entries = [(torch.tensor(1.0), 3, 0), (torch.tensor(4.0), 1, 1)]
+    assert _combine(meta("mean"), entries, [0.25, 0.75], [3, 1], add=False).item() == pytest.approx(3.25)
+    assert _combine(meta("mean"), entries, [1.0, 1.0], [3, 1], add=True).item() == pytest.approx(5.0)
+    assert _combine(meta("sum"), entries, [0.25, 0.75], [3, 1], add=False).item() == 5.0
+    assert _combine(meta("max"), entries, [0.25, 0.75], [3, 1], add=False).item() == 4.0
+    # a piece without counted items (its token mean is NaN) is left out; none anywhere: by samples
+    nan = [(torch.tensor(float("nan")), 3, 0), (torch.tensor(4.0), 1, 1)]
+    assert _combine(meta("mean"), nan, [0.0, 1.0], [3, 1], add=False).item() == 4.0
+    assert _combine(meta("mean"), entries, [0.0, 0.0], [3, 1], add=False).item() == pytest.approx(1.75)
+    # the batch size: the pieces' own sizes add up; a fixed batch_size=self.batch_size stays what it was
+    assert _batch_size([(None, 3, 0), (None, 1, 1)], [3, 1]) == 4
+    assert _batch_size([(None, 16, 0), (None, 16, 1)], [8, 8]) == 16

@@ -52,7 +52,8 @@ def test_unknown_type_and_ambiguous_batches_are_clear_errors() -> None:
 
     with pytest.raises(SplitError, match=r"cannot split a batch of type .*Opaque.*split_batch=fn"):
         split_batch(Opaque(), 2)
-    with pytest.raises(SplitError, match=r"disagree on their first dimension \(\[3, 4\]\)"):
+    names = r"disagree on their first dimension \(\[3, 4\]: batch\[1\] has 4, batch\[0\] has 3\)"
+    with pytest.raises(SplitError, match=names):
         split_batch((torch.zeros(3), torch.zeros(4)), 2)
     with pytest.raises(SplitError, match="no tensor with a batch dimension"):
         split_batch({"a": 1}, 2)

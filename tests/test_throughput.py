@@ -271,3 +271,18 @@ def test_invalid_plans_are_refused(kwargs: dict[str, float]) -> None:
 
 def test_doctests() -> None:
     assert doctest.testmod(retune.throughput, raise_on_error=False).failed == 0
+
+
+def test_a_step_that_raises_records_no_time() -> None:
+    import torch
+
+    from retune.step_timer import timed
+
+    ticks = iter([1.0, 3.5, 10.0, 99.0])
+    seconds: list[float] = []
+    with timed(torch.device("cpu"), lambda: next(ticks), seconds):
+        pass
+    assert seconds == [2.5]
+    with pytest.raises(torch.OutOfMemoryError), timed(torch.device("cpu"), lambda: next(ticks), seconds):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    assert seconds == [2.5]  # the out-of-memory step is a failed trial, not a slow one

@@ -7,7 +7,7 @@ one torch thread), medians over the timed steps:
 
 * **normal**: a training step without retune;
 * **guarded**: the same step with the ``oom`` trigger installed and no OOM (the per-step overhead:
-  the closure runner and the post-accumulate-grad hooks);
+  the closure runner; ``bench_oom_overhead.py`` measures it on a 2 ms step);
 * **recovered**: a step whose forward runs out of memory at its very end (the worst case for
   forward: a whole forward wasted), then trains as 2 micro-batches;
 * **recovered in backward**: the OOM is raised at the end of backward (a forward and a whole

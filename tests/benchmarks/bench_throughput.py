@@ -26,7 +26,9 @@ The comparison uses the sweep's numbers only: samples/s of the size each objecti
 best size of the sweep, all measured side by side. Targets: throughput's choice within 5% of the
 sweep's best, at most 1.5x the trials of the ``largest`` search.
 
-Run: ``python -m tests.benchmarks.bench_throughput`` (writes tests/benchmarks/results/throughput.json).
+Run: ``python -m tests.benchmarks.bench_throughput`` (writes tests/benchmarks/results/throughput.json). On a
+CUDA machine, ``--accelerator gpu --out tests/gpu/throughput.json`` times the same steps on the GPU, each
+synchronised with the device before and after (not run here: no GPU was lent to this task).
 """
 
 from __future__ import annotations
@@ -151,6 +153,9 @@ SCENARIOS = (
 )
 
 
+ACCELERATOR = "cpu"
+
+
 def _trainer(callbacks: list[Any]) -> pl.Trainer:
     return pl.Trainer(
         max_epochs=1,
@@ -161,7 +166,8 @@ def _trainer(callbacks: list[Any]) -> pl.Trainer:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
+        devices=1,
     )
 
 
@@ -226,8 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-steps", type=int, default=3, help="timed steps per sweep trial (after 1 warm-up)")
     parser.add_argument("--sweep-rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    parser.add_argument(
+        "--accelerator",
+        default="cpu",
+        help="cpu (default) or gpu: on a CUDA GPU every timed step is synchronised with the device",
+    )
     parser.add_argument("--out", default=str(RESULTS / "throughput.json"))
     args = parser.parse_args(argv)
+    global ACCELERATOR
+    ACCELERATOR = args.accelerator
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric", "transformers"):
@@ -327,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         "pytorch_lightning": pl.__version__,
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "accelerator": args.accelerator,
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "load_average_at_start": os.getloadavg(),
     }
     settings = {"rounds": args.rounds, "sweep_steps": args.sweep_steps, "sweep_rounds": args.sweep_rounds}

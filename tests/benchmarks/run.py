@@ -2,7 +2,8 @@
 
 Writes tests/benchmarks/results/search.json, tests/benchmarks/results/snapshot.json (one torch
 thread), tests/benchmarks/results/snapshot-default-threads.json (torch's default) and
-tests/benchmarks/results/probe_samples.json, tests/benchmarks/results/throughput.json and
+tests/benchmarks/results/probe_samples.json, tests/benchmarks/results/throughput.json,
+tests/benchmarks/results/lr.json, tests/benchmarks/results/fsdp2.json and
 tests/benchmarks/results/buckets.json. A missed
 target is reported as FAIL in the output and the JSON; the exit status is non-zero only when a
 benchmark itself crashes.
@@ -13,7 +14,16 @@ from __future__ import annotations
 import sys
 import time
 
-from tests.benchmarks import bench_buckets, bench_probe_samples, bench_search, bench_snapshot, bench_throughput
+from tests.benchmarks import (
+    bench_buckets,
+    bench_fsdp2,
+    bench_lr,
+    bench_oom_overhead,
+    bench_probe_samples,
+    bench_search,
+    bench_snapshot,
+    bench_throughput,
+)
 from tests.benchmarks.bench_snapshot import RESULTS
 
 
@@ -31,7 +41,12 @@ def main() -> int:
     print()
     status |= bench_throughput.main([])
     print()
-    status |= bench_buckets.main([])
+    status |= bench_lr.main([])  # learning-rate re-tuning: accuracy and cost, about 5 minutes
+    status |= bench_oom_overhead.main([])  # the oom trigger's per-step cost without an OOM, about 2 minutes
+    print()
+    status |= bench_fsdp2.main([])  # 2 gloo processes per strategy, started as subprocesses
+    print()
+    status |= bench_buckets.main([])  # first vs largest vs buckets on variable-length data, about 13 minutes
     print(f"\nall benchmarks: {time.perf_counter() - started:.0f}s")
     return status
 

@@ -26,6 +26,7 @@ import torch
 from retune import ScheduledBatchSizeFinder
 from tests.lightning_ns import pl
 from tests.oom_oracle import TokenModel
+from tests.token_tasks import TokenTask
 
 
 class RankTokenModel(TokenModel):
@@ -49,8 +50,62 @@ class WatchWrapper(pl.Callback):  # type: ignore[misc,name-defined]
         self.wrapper = weakref.ref(trainer.strategy.model)
 
 
+class RankTokenTask(TokenTask):
+    """A token tagger with a token-mean loss whose step-level loss is synced across ranks (``sync_dist``)."""
+
+    def __init__(self, rank1_capacity: int | None) -> None:
+        super().__init__("torch", sync_dist=True)
+        self.rank1_capacity = rank1_capacity
+
+    def setup(self, stage: str) -> None:
+        if self.global_rank == 1:
+            self.capacity = self.rank1_capacity
+
+
+def token_main(where: str, out: Path) -> None:
+    """``token``: rank 1 runs out of memory above 50 tokens; ``token_none``: the reference."""
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    model = RankTokenTask(50 if where == "token" else None)
+    trigger = {"kind": "oom", "loss_reduction": "token_mean"}
+    finder = ScheduledBatchSizeFinder({"triggers": [trigger]}, verbose=False, write_report=False)
+    trainer = pl.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=1,
+        callbacks=[finder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    result: dict[str, Any] = {}
+    try:
+        trainer.fit(model)
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()[-2000:]
+    result.update(
+        rank=trainer.global_rank,
+        global_step=trainer.global_step,
+        weights=[p.detach().reshape(-1).tolist() for p in model.parameters()],
+        trained=sorted(model.trained.items()),
+        recoveries=[e.to_dict() for e in finder.history if e.is_recovery],
+        step_losses=model.step_losses,
+        lrs=model.lrs,
+        output_rows=model.output_rows,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     where, out = sys.argv[1], Path(sys.argv[2])
+    if where.startswith("token"):
+        token_main(where, out)
+        return
     accumulate = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     torch.set_num_threads(1)
     pl.seed_everything(0)

@@ -1,0 +1,91 @@
+"""Where in a training step an out-of-memory error was raised, and whether a split batch can recover it.
+
+No Lightning import: Lightning calls every hook through a dispatcher whose frame holds the hook's
+name in a local called ``hook_name`` (``_call_lightning_module_hook``, ``_call_callback_hooks``,
+``_call_strategy_hook`` on 2.x; the trainer's methods of the same names on 1.9). The innermost such
+frame of the exception's traceback is the hook that ran out of memory. Reading it costs nothing
+until an error happens, unlike tracking the current hook on every step.
+
+Recoverable sites are the ones whose memory grows with the batch and that run again, exactly, when
+retune trains the batch as micro-batches: ``training_step``, its backward, and the hooks Lightning
+calls between them. The others either run on the whole batch before the step (data transfer and
+``on_train_batch_start``), or after the step's gradients are complete (``on_after_backward``,
+``on_before_optimizer_step``, clipping, the optimizer step), where a smaller batch needs no less
+memory; their OOM is re-raised unchanged, with a note that says where and why.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+SPLITTABLE = frozenset(
+    {"training_step", "backward", "on_before_backward", "on_before_zero_grad", "optimizer_zero_grad"}
+)
+"""Sites an OOM in is recovered by training the batch as micro-batches (the README lists them)."""
+
+_BEFORE_STEP = frozenset(
+    {
+        "on_train_batch_start",
+        "on_before_batch_transfer",
+        "transfer_batch_to_device",
+        "on_after_batch_transfer",
+        "batch_to_device",
+    }
+)
+_AFTER_GRADIENTS = frozenset(
+    {
+        "on_after_backward",
+        "on_before_optimizer_step",
+        "configure_gradient_clipping",
+        "clip_gradients",
+        "optimizer_step",
+        "lr_scheduler_step",
+    }
+)
+NOTE_PREFIX = "retune (oom trigger):"
+
+
+def oom_site(traceback: TracebackType | None) -> str | None:
+    """The Lightning hook (or strategy call) innermost in ``traceback``, or None when none is in it."""
+    site = None
+    tb = traceback
+    while tb is not None:
+        name = tb.tb_frame.f_locals.get("hook_name")
+        if isinstance(name, str):
+            site = name
+        tb = tb.tb_next
+    return site
+
+
+def why_not_recovered(site: str | None) -> str:
+    """The note added to an OOM raised at ``site`` that retune does not recover."""
+    if site in _BEFORE_STEP:
+        return (
+            f"{NOTE_PREFIX} out of memory in `{site}`, which runs on the whole batch before training_step; retune "
+            "splits only training_step, its backward and the hooks between them into micro-batches. Move the "
+            "device-side work (GPU augmentation, tokenization) into training_step, or lower the batch size."
+        )
+    if site in _AFTER_GRADIENTS:
+        return (
+            f"{NOTE_PREFIX} out of memory in `{site}`, after the batch's gradients were complete; what it works on "
+            "(the gradients, the optimizer state) has the same size at any batch size, so micro-batches would not "
+            "need less memory and retune does not re-run the step. Free memory there (compute gradient norms under "
+            "torch.no_grad, one parameter at a time) or lower what the optimizer keeps."
+        )
+    where = f"`{site}`" if site else "code outside the training step"
+    return (
+        f"{NOTE_PREFIX} out of memory in {where}; retune recovers out-of-memory errors in training_step, its backward "
+        "and on_before_zero_grad/optimizer_zero_grad/on_before_backward, and in validation_step, test_step and "
+        "predict_step (see the README's 'When a step still runs out of memory')."
+    )
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` once (Python prints notes under the traceback; the type stays the same)."""
+    notes = getattr(exc, "__notes__", None) or []
+    if any(str(n).startswith(NOTE_PREFIX) for n in notes):
+        return
+    exc.add_note(note)
+
+
+__all__ = ["NOTE_PREFIX", "SPLITTABLE", "add_note", "oom_site", "why_not_recovered"]
