@@ -160,10 +160,11 @@ def trainable(module: torch.nn.Module) -> int:
 
 
 class EpochLog(pl.Callback):
-    """One line per epoch: the batch size in use, trainable parameters, train loss, val accuracy."""
+    """One line per epoch: the batch sizes in use (per bucket), trainable parameters, train loss, val accuracy."""
 
-    def __init__(self, quiet: bool) -> None:
+    def __init__(self, quiet: bool, finder: ScheduledBatchSizeFinder) -> None:
         self.quiet = quiet
+        self.finder = finder
         self.train_loss: list[float] = []
         self.sizes: list[int] = []
 
@@ -173,8 +174,10 @@ class EpochLog(pl.Callback):
         self.sizes.append(pl_module.batch_size)
         if not self.quiet:
             total = sum(p.numel() for p in pl_module.parameters())
+            buckets = self.finder.bucket_sizes  # batching: buckets (one size per length bucket)
+            sizes = f"batch sizes {'/'.join(map(str, buckets))}" if buckets else f"batch size {pl_module.batch_size}"
             print(
-                f"epoch {trainer.current_epoch}: batch size {pl_module.batch_size}, "
+                f"epoch {trainer.current_epoch}: {sizes}, "
                 f"{trainable(pl_module):,} of {total:,} parameters trainable, "
                 f"train loss {self.train_loss[-1]:.3f}, val accuracy {float(metrics['val_acc']):.3f}"
             )
@@ -211,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> Result:
     if args.budget is not None:
         schedule["memory"]["budget"] = None if args.budget.lower() == "none" else args.budget
     finder = ScheduledBatchSizeFinder(schedule, verbose=not args.quiet)
-    log = EpochLog(args.quiet)
+    log = EpochLog(args.quiet, finder)
 
     model = LoraClassifier(n_train=args.samples, hidden=args.hidden, layers=args.layers)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}

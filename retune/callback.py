@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from retune import compat, hook_calls, messages, report, sharded
 from retune.attrs import duplicate_attr_message, loader_batch_size
+from retune.bucketing import BucketState, TrainBuckets
 from retune.callback_io import load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.events import RetuneEvent, Trial
@@ -93,6 +94,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self.schedule = load_schedule(schedule)
         self.clock = clock
         self.probe_batches = ProbeBatches.from_schedule(self.schedule, schedule, sample_size, say=self._say)
+        search = self.schedule.search
+        self._buckets = TrainBuckets(search.buckets, self.probe_batches) if search.batching == "buckets" else None
         self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
         self.split_batch = split_batch
         self._oom: OutOfMemory | None = next((t for t in self.triggers if isinstance(t, OutOfMemory)), None)
@@ -126,6 +129,12 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
     def batch_sizes(self) -> dict[str, int]:
         """The last size applied per stage, e.g. ``{"train": 76, "val": 1024}``."""
         return {stage: state.size for stage, state in self._stages.items() if state.size is not None}
+
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """With ``search.batching: buckets``: each length bucket's train batch size, shortest samples first
+        (empty before the first search, with ``fixed``, or where the loader could not be bucketed)."""
+        return [] if self._buckets is None else list(self._buckets.state.sizes)
 
     # -- Lightning hooks -----------------------------------------------------------------------
 
@@ -167,6 +176,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                 "apply.accumulate: keep_effective sets gradient accumulation itself and cannot share it with a "
                 "GradientAccumulationScheduler (or a dict `accumulate_grad_batches`); remove one of the two"
             )
+        if self._buckets is not None and "train" in self.schedule.stages:
+            self._buckets.install(trainer)
         self._move_last(trainer)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
@@ -179,6 +190,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
                     compat.set_batch_attr(trainer, pl_module, self._attr(trainer, pl_module, stage), size)
             if self._policies.accumulate is not None:
                 compat.set_accumulation(trainer, self._policies.accumulate)
+            if self._buckets is not None and self._buckets.hook.installed:
+                self._buckets.restore(trainer, self._say)  # the loader Lightning builds next is bucketed
             self._fit_starting = False
         else:
             self._fit_starting = True
@@ -193,9 +206,13 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             self._split_resumed = False
         if self._oom is not None and compat.is_distributed(trainer):
             # a rank that ran out of memory tells the others, so rank zero's trigger decision includes it
-            for known in compat.all_gather_object(trainer, self._oom.consume()):
+            failures = {} if self._buckets is None else self._buckets.failures
+            gathered = compat.all_gather_object(trainer, (self._oom.consume(), failures))
+            for known, _ in gathered:
                 if known is not None:
                     self._oom.record(failed_size=known[1], fitting_size=known[0])
+            if self._buckets is not None:
+                self._buckets.merge_failures([bucket_failures for _, bucket_failures in gathered])
         view = self._view(trainer, pl_module)
         self._fit_starting = False
         # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
@@ -287,6 +304,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             # the split the epoch keeps after a recovered OOM: a run resumed mid-epoch need not fail again first
             "oom_max_size": None if self._train_recovery is None else self._train_recovery.max_size,
             "oom_pieces": 1 if self._train_recovery is None else self._train_recovery.pieces,
+            "buckets": None if self._buckets is None else self._buckets.state.to_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -297,6 +315,9 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._restored = True
         max_size = state_dict.get("oom_max_size")
         self._resumed_split = (None if max_size is None else int(max_size), int(state_dict.get("oom_pieces", 1)))
+        saved_buckets = state_dict.get("buckets")
+        if self._buckets is not None and saved_buckets:
+            self._buckets.state = BucketState.from_dict(saved_buckets)
 
     # -- out-of-memory recovery (the `oom` trigger; the mechanics live in retune.recovery) ------
 
@@ -343,6 +364,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         self._eval_undo = self._eval_recovery = None
 
     def _uninstall(self) -> None:
+        if self._buckets is not None:
+            self._buckets.uninstall()
         self._unguard_eval()
         while self._undo:
             self._undo.pop()()
@@ -356,8 +379,12 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
         samples = done.samples or size
         size = size or samples
         largest_piece = done.micro_size or -(-samples // done.pieces)
+        bucket = None
         if stage == "train" and self._oom is not None:
             self._oom.record(failed_size=samples, fitting_size=largest_piece)
+            if self._buckets is not None:
+                bucket = self._buckets.record_failure(trainer, failed=samples, fitting=largest_piece)
+        where = "" if bucket is None else f" (bucket {bucket}, its next search lowers only its size)"
         event = RetuneEvent(
             epoch=trainer.current_epoch,
             global_step=trainer.global_step,
@@ -368,7 +395,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             direction="down",
             micro_batches=done.pieces,
             note=f"out of memory in {done.failed_in} on a batch of {samples}; trained it as {done.pieces} "
-            f"micro-batches of at most {largest_piece}",
+            f"micro-batches of at most {largest_piece}{where}",
         )
         self.history.append(event)
         self._say(report.format_summary(event), warn=True)
@@ -402,6 +429,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             say=self._say,
             before_plan=lambda loader: self._warn_duplicate_attr(trainer, pl_module, name, stage, loader),
             clock=self.clock,
+            buckets=self._buckets if stage == "train" else None,
         )
         self.history.append(event)
         self._say(report.format_summary(event, where))
@@ -455,7 +483,8 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
 
     def _report_trial(self, size: int, fits: bool, peak: int | None, samples_per_s: float | None = None) -> None:
         self._trial_no += 1
-        self._say("  " + report.format_trial(self._trial_no, size, fits, peak, samples_per_s))
+        bucket = None if self._buckets is None else self._buckets.current_bucket
+        self._say("  " + report.format_trial(self._trial_no, size, fits, peak, samples_per_s, bucket=bucket))
 
     def _log_event(self, trainer: Any, event: RetuneEvent) -> None:
         """Send a search's result to every logger, at the step it ran (the probes are over: loggers are back).

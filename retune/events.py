@@ -59,6 +59,21 @@ class RetuneEvent:
     largest: int | None = None
     """With ``throughput``: the size ``largest`` would have applied (the largest that fit, margin included)."""
 
+    bucket_sizes: list[int] = field(default_factory=list)
+    """``search.batching: buckets``: the train batch size of each length bucket after the search, shortest
+    samples first (empty with ``fixed``). ``batch_size_after`` is then the size of the longest samples' bucket,
+    the one size that fits every batch, which the batch-size attribute holds."""
+    bucket_sizes_before: list[int] = field(default_factory=list)
+    """Each bucket's size before the search (empty at the first one)."""
+    bucket_bounds: list[int] = field(default_factory=list)
+    """Each bucket's largest sample size (``sample_size``), the worst batch its size was probed on."""
+    bucket_samples: list[int] = field(default_factory=list)
+    """How many samples each bucket holds."""
+    trial_buckets: list[int] = field(default_factory=list)
+    """The bucket each trial probed, in the order of ``trials`` (buckets only)."""
+    samples_per_step: float = 0.0
+    """Buckets: samples per training step on one rank, averaged over an epoch (what ``apply`` policies use)."""
+
     @property
     def is_recovery(self) -> bool:
         return self.micro_batches > 0

@@ -52,6 +52,9 @@ CSV_FIELDS = (
     "peak_bytes",
     "budget_bytes",
     "mode",
+    "bucket_sizes",
+    "bucket_bounds",
+    "samples_per_step",
     "objective",
     "largest",
     "samples_per_s",
@@ -197,6 +200,9 @@ def write_csv(path: PathLike, events: Sequence[RetuneEvent]) -> Path:
                     )
                     if e.samples_per_s
                     else "",
+                    "bucket_sizes": _slashed(e.bucket_sizes),
+                    "bucket_bounds": _slashed(e.bucket_bounds),
+                    "samples_per_step": f"{e.samples_per_step:g}" if e.bucket_sizes else "",
                 }
             )
     return path
@@ -264,13 +270,20 @@ def format_bytes(n: float) -> str:
 
 
 def format_trial(
-    n: int, batch_size: int, fits: bool, peak_bytes: int | None = None, samples_per_s: float | None = None
+    n: int,
+    batch_size: int,
+    fits: bool,
+    peak_bytes: int | None = None,
+    samples_per_s: float | None = None,
+    bucket: int | None = None,
 ) -> str:
-    """One progress line per probe: ``trial 3 batch_size=8: fits, peak 1.2 MiB, 512.3 samples/s``.
+    """One progress line per probe: ``trial 3 batch_size=8: fits, peak 1.2 MiB, 512.3 samples/s`` (``trial 3
+    bucket 2 batch_size=8: ...`` when a length bucket's worst batch was probed).
 
     "does not fit" rather than "out of memory": under a budget a trial fails by exceeding it.
     """
-    line = f"trial {n} batch_size={batch_size}: {'fits' if fits else 'does not fit'}"
+    which = "" if bucket is None else f"bucket {bucket} "
+    line = f"trial {n} {which}batch_size={batch_size}: {'fits' if fits else 'does not fit'}"
     if peak_bytes is not None:
         line += f", peak {format_bytes(peak_bytes)}"
     if samples_per_s is not None:
@@ -310,6 +323,14 @@ def format_summary(event: RetuneEvent, where: str | None = None) -> str:
             f"{where or f'epoch {event.epoch}, step {event.global_step}'}: a {event.stage} step ran out of memory at "
             f"batch size {event.batch_size_after} and was recovered ({event.note}); trigger oom"
         )
+    if event.bucket_sizes:
+        before = _slashed(event.bucket_sizes_before) or str(event.batch_size_before)
+        return (
+            f"{where or f'epoch {event.epoch}'}: {event.stage} batch sizes per bucket {before} -> "
+            f"{_slashed(event.bucket_sizes)} (samples up to {_slashed(event.bucket_bounds)}; "
+            f"{event.samples_per_step:g} samples per step; {len(event.trials)} trials, {event.duration_s:.2f}s, "
+            f"trigger {event.trigger})"
+        )
     fastest = ""
     if event.objective == "throughput":
         rates = size_rates(event)
@@ -328,11 +349,17 @@ def format_summary(event: RetuneEvent, where: str | None = None) -> str:
     )
 
 
+def _slashed(values: Sequence[int]) -> str:
+    return "/".join(str(v) for v in values)
+
+
 def event_metrics(event: RetuneEvent) -> dict[str, float]:
     """What one search sends to the trainer's loggers, as floats (every logger accepts those).
 
     Train searches log ``retune/batch_size``, ``retune/search_seconds`` and ``retune/trials``; a
     search of another stage logs the same names with the stage added (``retune/val_batch_size``).
+    With buckets, each bucket's size is logged too (``retune/batch_size_bucket0``, shortest samples
+    first) with ``retune/samples_per_step``; ``retune/batch_size`` is the longest samples' bucket's.
     """
     prefix = "retune/" if event.stage == "train" else f"retune/{event.stage}_"
     if event.is_recovery:
@@ -342,10 +369,23 @@ def event_metrics(event: RetuneEvent) -> dict[str, float]:
         f"{prefix}search_seconds": float(event.duration_s),
         f"{prefix}trials": float(len(event.trials)),
     }
+    for bucket, size in enumerate(event.bucket_sizes):
+        metrics[f"{prefix}batch_size_bucket{bucket}"] = float(size)
+    if event.bucket_sizes:
+        metrics[f"{prefix}samples_per_step"] = float(event.samples_per_step)
     rate = chosen_rate(event)
     if rate is not None:
         metrics[f"{prefix}samples_per_s"] = float(rate)
     return metrics
+
+
+_ARROW = " \u2192 "
+
+
+def _size_change(e: RetuneEvent) -> str:
+    if e.bucket_sizes:
+        return f"{_slashed(e.bucket_sizes_before) or e.batch_size_before} -> {_slashed(e.bucket_sizes)}"
+    return f"{e.batch_size_before} -> {e.batch_size_after}"
 
 
 def format_table(events: Sequence[RetuneEvent]) -> str:
@@ -355,12 +395,14 @@ def format_table(events: Sequence[RetuneEvent]) -> str:
     column (measured peak of the chosen size) when any search measured one.
     """
     header = ["epoch", "step", "trigger", "batch size", "trials", "seconds"]
+    if any(e.bucket_sizes for e in events):
+        header[3] = "batch size (per bucket)"
     rows = [
         [
             str(e.epoch),
             str(e.global_step),
             e.trigger,
-            f"{e.batch_size_before} -> {e.batch_size_after}",
+            _size_change(e),
             str(len(e.trials)),
             f"{e.duration_s:.2f}",
         ]
@@ -387,11 +429,14 @@ def format_table(events: Sequence[RetuneEvent]) -> str:
             row.append("-" if e.largest is None else str(e.largest))
     searches = sum(1 for e in events if not e.is_recovery)
     title = f"retune: {searches} search{'es' if searches != 1 else ''}"
+    bounds = next((e.bucket_bounds for e in reversed(events) if e.bucket_bounds), None)
     if searches != len(events):
         recovered = len(events) - searches
         title += f", {recovered} recovered out-of-memory step{'s' if recovered != 1 else ''}"
     if not rows:
         return f"{title} (the schedule's triggers never fired)"
+    if bounds:
+        title += f"; buckets of samples up to {_slashed(bounds)}"
     widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(header))]
     # text left-aligned, numbers right-aligned
     align = ["<" if name in ("trigger", "stage") else ">" for name in header]
@@ -435,6 +480,8 @@ def chosen_peak(event: RetuneEvent) -> int | None:
     The trial at the chosen size when there was one; else (binsearch's margin applies a size that
     was not itself probed) the trial at ``max_fitting``, the smallest fitting size above it.
     """
+    if event.bucket_sizes and len(event.trial_buckets) == len(event.trials):
+        return _bucket_chosen_peak(event)
     peaks = dict[int, int]()
     for trial, peak in zip(event.trials, trial_peaks(event), strict=True):
         if trial.fits and peak is not None:
@@ -443,6 +490,39 @@ def chosen_peak(event: RetuneEvent) -> int | None:
         return peaks[event.batch_size_after]
     above = [size for size in peaks if size >= event.batch_size_after]
     return peaks[min(above)] if above else None
+
+
+def _bucket_chosen_peak(event: RetuneEvent) -> int | None:
+    """The largest of the buckets' chosen peaks: the worst batch the epoch can produce."""
+    worst: int | None = None
+    for bucket, size in enumerate(event.bucket_sizes):
+        peaks = {
+            t.batch_size: p
+            for t, p, b in zip(event.trials, trial_peaks(event), event.trial_buckets, strict=True)
+            if b == bucket and t.fits and p is not None
+        }
+        above = [s for s in peaks if s >= size]
+        if above:
+            peak = peaks[min(above)]
+            worst = peak if worst is None else max(worst, peak)
+    return worst
+
+
+def bucket_series(events: Sequence[RetuneEvent], end_step: int | None = None) -> list[list[tuple[int, int]]]:
+    """Each bucket's train batch size over steps (empty when no search used buckets)."""
+    count = max((len(e.bucket_sizes) for e in events if e.stage == "train"), default=0)
+    series: list[dict[int, int]] = [{} for _ in range(count)]
+    for e in events:
+        if e.stage == "train" and len(e.bucket_sizes) == count:
+            for bucket, size in enumerate(e.bucket_sizes):
+                series[bucket][e.global_step] = size
+    out = []
+    for points in series:
+        ordered = sorted(points.items())
+        if ordered and end_step is not None and end_step > ordered[-1][0]:
+            ordered.append((end_step, ordered[-1][1]))
+        out.append(ordered)
+    return out
 
 
 def _chosen_peaks(events: Iterable[RetuneEvent]) -> list[tuple[int, int]]:
@@ -506,7 +586,21 @@ def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Pa
     if curves:
         _plot_throughput(fig.add_subplot(grid[:, 1]), curves)
 
-    if series:
+    buckets = bucket_series(record.events, record.end_step or (series[-1][0] if series else None))
+    bounds = next((e.bucket_bounds for e in reversed(record.events) if e.bucket_bounds), [])
+    if buckets:
+        # one line per length bucket: the shortest samples' bucket on top
+        top = 1.0
+        for bucket, points in enumerate(buckets):
+            if points:
+                label = f"bucket {bucket}" + (f" (samples up to {bounds[bucket]})" if bucket < len(bounds) else "")
+                ax.plot(
+                    [s for s, _ in points], [v for _, v in points], drawstyle="steps-post", linewidth=1.5, label=label
+                )
+                top = max(top, *(v for _, v in points))
+        ax.set_ylim(0, top * 1.3)
+        ax.legend(loc="upper right", fontsize=7)
+    elif series:
         xs = [s for s, _ in series]
         ys = [v for _, v in series]
         # steps-post: a size holds from the step it was set until the next change
@@ -523,7 +617,7 @@ def plot_history(path: PathLike, history: History | Sequence[RetuneEvent]) -> Pa
             if axis is not None:
                 axis.axvline(e.global_step, color="gray", linestyle=":", linewidth=1)
         ax.annotate(
-            f"{e.trigger}\n{stage}{e.batch_size_before} \u2192 {e.batch_size_after}",
+            f"{e.trigger}\n{stage}{_size_change(e).replace(' -> ', _ARROW)}",
             xy=(e.global_step, ymax),
             xytext=(3, -3),
             textcoords="offset points",
@@ -570,6 +664,7 @@ __all__ = [
     "History",
     "OutputPaths",
     "batch_size_series",
+    "bucket_series",
     "chosen_peak",
     "chosen_rate",
     "event_metrics",

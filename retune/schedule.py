@@ -31,6 +31,8 @@ from pydantic import (
     model_validator,
 )
 
+from retune.buckets import DEFAULT_BUCKETS
+
 SearchMode = Literal["power", "binsearch", "model"]
 Objective = Literal["largest", "throughput"]
 Stage = Literal["train", "val", "test", "predict"]
@@ -137,6 +139,17 @@ class SearchConfig(_Config):
         "the largest samples may be missed.",
     )
 
+    batching: Literal["fixed", "buckets"] = Field(
+        "fixed",
+        description="fixed: one train batch size for every batch; buckets: samples grouped by size (sample_size) "
+        "into `buckets` buckets, each with its own batch size, the largest that fits its longest samples.",
+    )
+    buckets: Annotated[StrictInt, Field(ge=2)] = Field(
+        DEFAULT_BUCKETS,
+        description="batching: buckets: how many length buckets (at least 2; fewer are made when the samples "
+        "have fewer distinct sizes).",
+    )
+
     @field_validator("sample_size")
     @classmethod
     def _dotted_path(cls, value: str | None) -> str | None:
@@ -144,6 +157,21 @@ class SearchConfig(_Config):
             raise ValueError(
                 f"{value!r} is not a dotted path to a function; write 'package.module.function' "
                 "or 'package.module:function'"
+            )
+        return value
+
+    @field_validator("batching")
+    @classmethod
+    def _buckets_need_every_size(cls, value: str, info: ValidationInfo) -> str:
+        if value == "buckets" and info.data.get("scan_limit") is not None:
+            raise ValueError(
+                "buckets needs every sample's size to put it in a bucket, so it cannot be combined with "
+                "search.scan_limit; remove scan_limit"
+            )
+        if value == "buckets" and info.data.get("objective") == "throughput":
+            raise ValueError(
+                "buckets gives every length bucket the largest size that fits; search.objective: throughput "
+                "(the fastest size) is not defined per bucket yet: use objective: largest with buckets"
             )
         return value
 

@@ -12,19 +12,31 @@ size, or one size per length bucket) share this one path.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from retune import compat
 from retune.apply import accumulation_for, lr_factor, scale_learning_rates
+from retune.bucketing import BucketOutcome, TrainBuckets
 from retune.errors import RetuneError
-from retune.events import RetuneEvent
+from retune.events import RetuneEvent, Trial
 from retune.memory import device_total_bytes
 from retune.probe import Prober, TrialReport
 from retune.probe_batches import ProbeBatches
 from retune.schedule import RetuneSchedule
-from retune.search import Direction, MemoryModel, Mode, SearchResult, plan_search, run_model_search, run_search
+from retune.search import (
+    Direction,
+    MemoryModel,
+    Mode,
+    SearchPlan,
+    SearchResult,
+    _apply_margin,
+    plan_search,
+    run_model_search,
+    run_search,
+)
 from retune.step_timer import Clock
 from retune.throughput import ThroughputPlan, choose_fastest, timed_sizes, trial_rates, with_choice
 
@@ -39,6 +51,8 @@ class StageState:
     size: int | None = None
     last: SearchResult | None = None
     model: MemoryModel | None = None
+    mean_batch: int | None = None
+    """Buckets: the samples per step the ``apply`` policies last saw (None: one batch size)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -46,6 +60,7 @@ class StageState:
             "max_fitting": None if self.last is None else self.last.max_fitting,
             "min_failing": None if self.last is None else self.last.min_failing,
             "memory_model": None if self.model is None else [self.model.fixed, self.model.per_sample],
+            "mean_batch": self.mean_batch,
         }
 
     @classmethod
@@ -54,7 +69,7 @@ class StageState:
         has_last = data.get("max_fitting") is not None or data.get("min_failing") is not None
         last = SearchResult(size, data.get("max_fitting"), data.get("min_failing")) if has_last else None
         line = data.get("memory_model")
-        return cls(size, last, None if line is None else MemoryModel(line[0], line[1]))
+        return cls(size, last, None if line is None else MemoryModel(line[0], line[1]), data.get("mean_batch"))
 
 
 @dataclass
@@ -101,6 +116,7 @@ def search_stage(
     say: Say,
     before_plan: Callable[[Any], None] | None = None,
     clock: Clock | None = None,
+    buckets: TrainBuckets | None = None,
 ) -> tuple[RetuneEvent, str]:
     """Search ``stage``'s batch size (attribute ``name``), apply it, and return the event and where it ran.
 
@@ -108,7 +124,8 @@ def search_stage(
     ``failed`` and trained in pieces of ``fitting``: the search starts below the failure. ``state``
     is updated in place; ``before_plan(loader)`` sees the stage's loader once (a warning about it).
     With ``search.objective: throughput`` the size applied is the fastest that fits (:mod:`retune.throughput`),
-    its steps timed with ``clock``.
+    its steps timed with ``clock``. With ``buckets`` (``search.batching: buckets``, train stage) every
+    bucket gets its own size, unless the loader cannot be bucketed (then one size, as ``fixed``).
     On any failure the attribute is put back to what it was.
     """
     config = schedule.search
@@ -122,9 +139,11 @@ def search_stage(
         fitting, failed = known_oom  # a real step failed at `failed`, and pieces of `fitting` ran
         previous = SearchResult(state.size, min(fitting, failed - 1), failed)
         direction = "down"
-    loader = compat.request_dataloader(trainer, stage)
+    with _paused(buckets):
+        loader = compat.request_dataloader(trainer, stage)
     if before_plan is not None:
         before_plan(loader)
+    grouped = buckets.prepare(loader, say) if buckets is not None else None
     plan = plan_search(
         mode=mode,
         init_val=config.init_val,
@@ -139,7 +158,18 @@ def search_stage(
     del loader
     epoch = trainer.current_epoch
     where = f"epoch {epoch}" if stage in ("train", "val") and compat.trainer_fn(trainer) == "fit" else label
-    say(f"{where}: {label} fired, searching the {stage} batch size (from {plan.start})")
+    shown_mode: str = mode
+    if grouped is not None:
+        shown_mode, note = "buckets", ""
+        limit = budget if budget is not None else (device_total_bytes(device) if device.type == "cuda" else None)
+        if limit is None:
+            note = "no memory limit to model (no memory.budget, no device statistics): each bucket was bisected"
+        say(
+            f"{where}: {label} fired, searching the {stage} batch size of {grouped.count} buckets "
+            f"(samples up to {', '.join(str(b) for b in grouped.largest)})"
+        )
+    else:
+        say(f"{where}: {label} fired, searching the {stage} batch size (from {plan.start})")
     prober = Prober(
         trainer,
         pl_module,
@@ -148,15 +178,32 @@ def search_stage(
         budget,
         on_trial=on_trial,
         stage=stage,
-        track_memory=mode == "model" or device.type == "cuda",
+        track_memory=shown_mode in ("model", "buckets") or device.type == "cuda",
         arrange=lambda loader: probe_batches.arrange(loader, stage, config.steps_per_trial),
         time_steps=config.objective == "throughput",
         clock=clock,
     )
+    outcome: BucketOutcome | None = None
     largest: int | None = None
     try:
         with prober.session():
-            if mode == "model" and limit is not None:
+            if grouped is not None and buckets is not None:
+                outcome = buckets.search(
+                    trainer,
+                    grouped,
+                    prober,
+                    limit=limit,
+                    start=min(config.init_val, plan.upper),
+                    max_trials=config.max_trials,
+                    max_val=config.max_val,
+                    margin_of=lambda found, memory_bound: apply_margin(plan, found, memory_bound),
+                    tolerance=config.margin,
+                    steps=config.steps_per_trial,
+                    direction=direction,
+                    cold=cold,
+                )
+                result = _bucket_summary(outcome)
+            elif mode == "model" and limit is not None:
                 # after an unfreeze the old slope misleads more than it helps: measure the new one
                 prior = None if cold or direction == "down" else state.model
                 result = run_model_search(plan, prober.measure, limit, prior)
@@ -170,20 +217,32 @@ def search_stage(
         raise
     if result.size is None:
         compat.set_batch_attr(trainer, pl_module, name, before)
-        smallest = min(t.batch_size for t in result.trials)
+        smallest = min(t.batch_size for t in result.trials) if result.trials else 1
+        what = f"{stage} batch size" if outcome is None else f"{stage} batch size for the longest samples' bucket"
         raise RetuneError(
-            f"no {stage} batch size fits in memory after trigger {label!r} at epoch {epoch}: the smallest "
+            f"no {what} fits in memory after trigger {label!r} at epoch {epoch}: the smallest "
             f"size tried, {smallest}, ran out of memory ({len(result.trials)} trials). Free memory (freeze "
             f"more layers, lower precision, shorter inputs) or raise search.max_trials if it stopped early."
         )
     compat.set_batch_attr(trainer, pl_module, name, result.size)
-    if result.size != before:
-        compat.reload_dataloader(trainer, stage)
-        if stage == "train":
+    if outcome is not None and buckets is not None:
+        changed = outcome.sizes != outcome.sizes_before or not buckets.active
+        buckets.apply(outcome)
+        if changed:
+            compat.reload_dataloader(trainer, stage)
             compat.refresh_progress_bar(trainer)
+        size_before = state.mean_batch or before
+        mean = buckets.mean_batch()
+        size_after = max(1, round(mean))
+    else:
+        if result.size != before:
+            compat.reload_dataloader(trainer, stage)
+            if stage == "train":
+                compat.refresh_progress_bar(trainer)
+        size_before, size_after = before, result.size
     if stage == "train":
         accumulate, factor = apply_policies(
-            trainer, schedule, policies, before, result.size, first_tune=state.last is None, say=say
+            trainer, schedule, policies, size_before, size_after, first_tune=state.last is None, say=say
         )
     else:
         accumulate, factor = 1, 1.0
@@ -202,18 +261,61 @@ def search_stage(
         peak_bytes=list(prober.peaks),
         budget_bytes=budget,
         accumulate=accumulate,
-        effective_batch_size=accumulate * result.size,
+        effective_batch_size=accumulate * size_after,
         lr_factor=factor,
-        mode=mode,
+        mode=shown_mode,
         note=note,
         objective=config.objective,
         samples_per_s=[] if largest is None else trial_rates(result.trials, prober.step_times),
         largest=largest,
+        **_bucket_fields(outcome, buckets),
     )
     state.size, state.last = result.size, result
+    state.mean_batch = size_after if outcome is not None else None
     if result.model is not None:
         state.model = result.model
     return event, where
+
+
+def apply_margin(plan: SearchPlan, found: int, memory_bound: bool) -> int:
+    """The schedule's margin applied to one bucket's size, by the same rule as a fixed search: only a size
+    that memory limited is cut (not one at the bucket's cap, its share of samples or ``max_val``)."""
+    value = _apply_margin(plan, found, memory_bound)
+    return found if value is None else value
+
+
+@contextmanager
+def _paused(buckets: TrainBuckets | None) -> Iterator[None]:
+    """The user's own loader, not the bucketed one, for as long as the block runs."""
+    if buckets is None:
+        yield
+        return
+    with buckets.hook.paused():
+        yield
+
+
+def _bucket_summary(outcome: BucketOutcome) -> SearchResult:
+    """The bucketed search as one ``SearchResult``: the longest samples' bucket's size (the one size that
+    fits every batch, which the batch-size attribute holds), with every trial."""
+    sizes = outcome.sizes
+    longest = max(range(len(sizes)), key=lambda b: (outcome.buckets.largest[b], -b))
+    size = sizes[longest] if all(s is not None for s in sizes) else None
+    result = outcome.result
+    trials = [Trial(t.batch_size, t.fits) for t in result.trials]
+    return SearchResult(size, result.found[longest], result.min_failing[longest], trials)
+
+
+def _bucket_fields(outcome: BucketOutcome | None, buckets: TrainBuckets | None) -> dict[str, Any]:
+    if outcome is None or buckets is None:
+        return {}
+    return {
+        "bucket_sizes": [int(s) for s in outcome.sizes if s is not None],
+        "bucket_sizes_before": list(outcome.sizes_before),
+        "bucket_bounds": list(outcome.buckets.largest),
+        "bucket_samples": [len(m) for m in outcome.buckets.members],
+        "trial_buckets": [t.bucket for t in outcome.result.trials],
+        "samples_per_step": round(buckets.mean_batch(), 2),
+    }
 
 
 def fastest_that_fits(prober: Prober, result: SearchResult, schedule: RetuneSchedule, last: int | None) -> SearchResult:

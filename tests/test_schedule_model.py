@@ -77,6 +77,8 @@ def test_defaults_are_filled_in() -> None:
             "probe_samples": "first",
             "sample_size": None,
             "scan_limit": None,
+            "batching": "fixed",
+            "buckets": 6,
         },
         "memory": {"budget": None},
         "triggers": ({"kind": "fit_start"},),
@@ -231,6 +233,8 @@ def test_json_schema_search_fields_and_modes() -> None:
         "probe_samples",
         "sample_size",
         "scan_limit",
+        "batching",
+        "buckets",
     }
     assert search["mode"]["enum"] == ["power", "binsearch", "model"]
     assert search["objective"]["enum"] == ["largest", "throughput"]

@@ -3,7 +3,8 @@
 Writes tests/benchmarks/results/search.json, tests/benchmarks/results/snapshot.json (one torch
 thread), tests/benchmarks/results/snapshot-default-threads.json (torch's default) and
 tests/benchmarks/results/probe_samples.json, tests/benchmarks/results/throughput.json,
-tests/benchmarks/results/lr.json and tests/benchmarks/results/fsdp2.json. A missed
+tests/benchmarks/results/lr.json, tests/benchmarks/results/fsdp2.json and
+tests/benchmarks/results/buckets.json. A missed
 target is reported as FAIL in the output and the JSON; the exit status is non-zero only when a
 benchmark itself crashes.
 """
@@ -14,6 +15,7 @@ import sys
 import time
 
 from tests.benchmarks import (
+    bench_buckets,
     bench_fsdp2,
     bench_lr,
     bench_oom_overhead,
@@ -43,6 +45,8 @@ def main() -> int:
     status |= bench_oom_overhead.main([])  # the oom trigger's per-step cost without an OOM, about 2 minutes
     print()
     status |= bench_fsdp2.main([])  # 2 gloo processes per strategy, started as subprocesses
+    print()
+    status |= bench_buckets.main([])  # first vs largest vs buckets on variable-length data, about 13 minutes
     print(f"\nall benchmarks: {time.perf_counter() - started:.0f}s")
     return status
 

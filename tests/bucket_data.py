@@ -1,0 +1,147 @@
+"""Long-tailed token data and a small model for the ``batching: buckets`` tests, DDP script and benchmark.
+
+Most samples are short (8-32 tokens), a few percent are long (200-256), and ``collate_fn`` pads to
+the batch's longest sample, so a step's memory follows ``batch x longest``: one batch size must fit
+the long tail, while buckets let the short majority train in far larger batches. Every batch carries
+its samples' dataset indices, so tests can check that each sample trains once per epoch.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from tests.lightning_ns import PRECISION_32, pl
+
+VOCAB = 512
+BUDGET = "5MiB"
+
+
+def long_tail_lengths(n: int, seed: int = 0, tail: float = 0.03) -> list[int]:
+    r = random.Random(seed)
+    return [r.randint(200, 256) if r.random() < tail else r.randint(8, 32) for _ in range(n)]
+
+
+class IndexedTokens(Dataset[dict[str, Any]]):
+    """``{"input_ids": LongTensor[length], "label": int, "index": int}``."""
+
+    def __init__(self, lengths: list[int], seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.rows = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+        self.labels = torch.randint(0, 4, (len(lengths),), generator=g).tolist()
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"input_ids": self.rows[index], "label": self.labels[index], "index": index}
+
+
+def tokens(sample: dict[str, Any]) -> int:
+    """``sample_size``: a sample's tokens."""
+    return len(sample["input_ids"])
+
+
+def pad_collate(samples: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), longest, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        ids[row, : len(sample["input_ids"])] = sample["input_ids"]
+    return ids, torch.tensor([s["label"] for s in samples]), torch.tensor([s["index"] for s in samples])
+
+
+class BucketModel(pl.LightningModule):  # type: ignore[misc]
+    """Embedding -> per-token MLP (the "backbone") -> masked mean -> head; AdamW.
+
+    ``frozen=True`` starts with the backbone frozen (``unfreeze()`` adds its gradients and optimizer
+    state). ``batches`` records every real batch's dataset indices.
+    """
+
+    def __init__(
+        self,
+        data: Dataset[Any],
+        batch_size: int = 8,
+        shuffle: bool = True,
+        frozen: bool = False,
+        drop_last: bool = False,
+        width: int = 256,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.mlp = nn.Sequential(nn.Linear(32, width), nn.GELU(), nn.Linear(width, 32))
+        self.head = nn.Linear(32, 4)
+        self.data = data
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.batches: list[list[int]] = []
+        if frozen:
+            for module in (self.embed, self.mlp):
+                module.requires_grad_(False)
+
+    def unfreeze(self) -> None:
+        for module in (self.embed, self.mlp):
+            module.requires_grad_(True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels, _ = batch
+        hidden = self.mlp(self.embed(ids))
+        mask = (ids > 0).unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        return F.cross_entropy(self.head(pooled), labels)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.batches.append(batch[2].tolist())
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(
+            self.data,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            collate_fn=pad_collate,
+            drop_last=self.drop_last,
+        )
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # every parameter from the start (frozen ones get no gradient, so no state, until unfrozen)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class UnfreezeAt(pl.Callback):  # type: ignore[misc]
+    """Unfreezes the backbone at the start of an epoch (before retune's search: retune runs last)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch == self.epoch:
+            pl_module.unfreeze()
+
+
+def schedule(**search: Any) -> dict[str, Any]:
+    return {
+        "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],
+        "search": {"batching": "buckets", "buckets": 4, "steps_per_trial": 2, **search},
+        "memory": {"budget": BUDGET},
+    }
+
+
+def trainer(callbacks: list[Any], epochs: int = 1, **kwargs: Any) -> Any:
+    options: dict[str, Any] = {
+        "max_epochs": epochs,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "precision": PRECISION_32,
+        "accelerator": "cpu",
+        "devices": 1,
+    }
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)

@@ -1,0 +1,82 @@
+"""``search.batching: buckets`` under DDP on CPU (gloo, 2 processes); each rank writes what it saw as JSON.
+
+Run by tests/test_buckets_ddp.py in a subprocess with a timeout. Two epochs, the backbone unfrozen at
+the second, so the buckets are searched at fit start and re-tuned mid-run on both ranks. Each rank
+records every real batch (its samples' indices and the bucket it came from) and measures every real
+step as a probe is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+
+from retune import ScheduledBatchSizeFinder
+from tests import bucket_data
+from tests.lightning_ns import pl
+from tests.varlen import StepPeaks
+
+
+class Record(pl.Callback):  # type: ignore[misc,name-defined]
+    def __init__(self, out: Path, finder: ScheduledBatchSizeFinder, peaks: StepPeaks) -> None:
+        self.out, self.finder, self.peaks = out, finder, peaks
+        self.steps: list[dict[str, Any]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        buckets = self.finder._buckets
+        sampler = None if buckets is None else buckets.sampler
+        self.steps.append(
+            {
+                "epoch": trainer.current_epoch,
+                "indices": batch[2].tolist(),
+                "bucket": None if sampler is None else sampler.bucket_at(batch_idx),
+            }
+        )
+
+    def teardown(self, trainer: Any, model: Any, stage: str) -> None:
+        result = {
+            "rank": trainer.global_rank,
+            "history": [e.to_dict() for e in self.finder.history],
+            "bucket_sizes": self.finder.bucket_sizes,
+            "steps": self.steps,
+            "peaks": self.peaks.peaks,
+            "global_step": trainer.global_step,
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    pl.seed_everything(0)
+    model = bucket_data.BucketModel(bucket_data.IndexedTokens(bucket_data.long_tail_lengths(401)), frozen=True)
+    finder = ScheduledBatchSizeFinder(
+        bucket_data.schedule(), sample_size=bucket_data.tokens, verbose=False, write_report=False
+    )
+    peaks = StepPeaks()
+    trainer = pl.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        callbacks=[bucket_data.UnfreezeAt(1), finder, peaks, Record(out, finder, peaks)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(model)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,64 @@
+"""``search.batching: buckets`` with 2 DDP ranks (gloo on CPU), in a subprocess with a timeout (no hang).
+
+Every rank runs the same number of batches each epoch, the ranks' batches at a step come from the
+same bucket, every sample trains once per epoch across ranks (up to the padding of each bucket's
+last round), the ranks agree on every bucket size at fit start and after the unfreeze, and every
+real step of each rank stays within the budget.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from retune.schedule import parse_byte_size
+from tests import bucket_data
+from tests.dist_utils import run_rank_scripts
+
+SCRIPT = Path(__file__).parent / "ddp" / "run_ddp_buckets.py"
+N = 401
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    # a session of its own, killed whole on a timeout below the suite's per-test one (tests/dist_utils.py)
+    code, output, out = run_rank_scripts({"buckets": ["{out}"]}, SCRIPT, tmp_path_factory.mktemp("ddp"), 240)["buckets"]
+    assert code == 0, output[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ranks_agree_on_every_bucket_size_and_re_tune_after_the_unfreeze(ranks: list[dict[str, Any]]) -> None:
+    histories = [[(e["trigger"], e["bucket_sizes"], e["trials"]) for e in r["history"]] for r in ranks]
+    assert histories[0] == histories[1]
+    (_, frozen, _), (trigger, unfrozen, _) = histories[0]
+    assert trigger == "trainable_params_changed"
+    # buckets capped by their share of samples (a whole bucket in one batch) may keep their size
+    assert all(a <= b for a, b in zip(unfrozen, frozen, strict=True)) and sum(unfrozen) < sum(frozen)
+    assert ranks[0]["global_step"] == ranks[1]["global_step"] > 0
+    # (no weight comparison: DDP all-reduces only the parameters that required grad when it wrapped the
+    # model, so a backbone unfrozen later trains per rank whatever the batching)
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_same_number_of_batches_same_bucket_per_step_every_sample_once(ranks: list[dict[str, Any]], epoch: int) -> None:
+    steps = [[s for s in r["steps"] if s["epoch"] == epoch] for r in ranks]
+    assert len(steps[0]) == len(steps[1]) > 0
+    assert [s["bucket"] for s in steps[0]] == [s["bucket"] for s in steps[1]]
+    assert all(s["bucket"] is not None for s in steps[0])
+    seen = Counter(i for rank in steps for s in rank for i in s["indices"])
+    assert set(seen) == set(range(N))
+    buckets = len(ranks[0]["history"][0]["bucket_sizes"])
+    assert sum(c - 1 for c in seen.values()) < buckets, "at most one padded sample per bucket's last round"
+    # the two ranks' samples at a step are disjoint (one shard each), but for the one sample that pads a
+    # bucket's last round when it is odd (it can be from the same round, when the bucket is that round)
+    for a, b in zip(steps[0], steps[1], strict=True):
+        assert len(set(a["indices"]) & set(b["indices"])) <= 1
+
+
+def test_every_real_step_of_each_rank_stays_within_the_budget(ranks: list[dict[str, Any]]) -> None:
+    budget = parse_byte_size(bucket_data.BUDGET)
+    assert all(max(r["peaks"]) <= budget for r in ranks), [max(r["peaks"]) / budget for r in ranks]
