@@ -19,11 +19,16 @@ collectives in the same order (the same model and batch size everywhere), so eac
 all-reduce is every other rank's k-th. A rank that fails does exactly one more, as its k-th; the
 others cannot have got past their k-th without it.
 
-What it costs: one 4-byte all-reduce per collective, only inside a guarded region (probe steps). It
-only sees collectives issued through the ``torch.distributed`` functions (FSDP2's all-gathers and
-reduce-scatters, Lightning's ``sync_dist`` reductions); DTensor's functional collectives (tensor
-parallelism, ``clip_grad_norm_`` over DTensors) bypass it. Pure torch; the Lightning side is in
-:mod:`retune.sharded`.
+What it covers: the collectives issued through the ``torch.distributed`` functions (FSDP2's
+all-gathers and reduce-scatters, Lightning's ``sync_dist`` reductions) and through the functional
+collectives of ``torch.distributed._functional_collectives``, which DTensor redistributes with (the
+all-reduce that turns the partial norms of ``clip_grad_norm_`` over sharded gradients into one norm,
+``DTensor.full_tensor()``). Both are module attributes looked up at each call, so swapping them for
+the region reaches every caller. A collective issued by C++ directly (none in FSDP2's eager path)
+would bypass it.
+
+What it costs: one 4-byte all-reduce per collective, only inside a guarded region (probe steps).
+Pure torch; the Lightning side is in :mod:`retune.sharded`.
 """
 
 from __future__ import annotations
@@ -36,6 +41,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+try:  # DTensor's collectives (torch >= 2.2); absent from some builds
+    import torch.distributed._functional_collectives as funcol
+except ImportError:  # pragma: no cover - every supported torch has it
+    funcol = None
 
 # the torch.distributed functions FSDP2 and Lightning issue collectives through (those that exist)
 GUARDED = (
@@ -52,6 +62,27 @@ GUARDED = (
     "reduce_scatter",
     "reduce_scatter_single",
     "reduce_scatter_tensor",
+)
+# the functional collectives DTensor redistributes with (those that exist in the installed torch)
+GUARDED_FUNCTIONAL = (
+    "all_gather_into_tensor_coalesced",
+    "all_gather_single",
+    "all_gather_single_autograd",
+    "all_gather_single_coalesced",
+    "all_gather_tensor",
+    "all_gather_tensor_autograd",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all_single",
+    "all_to_all_single_autograd",
+    "broadcast",
+    "permute_tensor",
+    "reduce_scatter_single",
+    "reduce_scatter_single_autograd",
+    "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd",
+    "reduce_scatter_tensor_coalesced",
 )
 
 
@@ -77,14 +108,14 @@ class CollectiveGuard:
         self.group = group
         self.device = device or torch.device("cpu")
         self.status_calls = 0
-        self._originals: dict[str, Callable[..., Any]] = {}
+        self._originals: dict[tuple[Any, str], Callable[..., Any]] = {}
         self._local = threading.local()  # re-entrancy: a guarded collective may call another one
 
     def _status(self, value: float) -> int:
         """One status all-reduce through the original function; returns how many ranks failed."""
         self.status_calls += 1
         flag = torch.tensor([value], device=self.device, dtype=torch.float32)
-        all_reduce: Callable[..., Any] = self._originals.get("all_reduce", dist.all_reduce)
+        all_reduce: Callable[..., Any] = self._originals.get((dist, "all_reduce"), dist.all_reduce)
         all_reduce(flag, group=self.group)
         return int(flag.item())
 
@@ -105,19 +136,21 @@ class CollectiveGuard:
         return guarded
 
     def enter(self) -> None:
-        """Route every collective of ``torch.distributed`` through the status check."""
+        """Route every collective of ``torch.distributed`` and of DTensor through the status check."""
         if self._originals:
             raise RuntimeError("CollectiveGuard.enter() called twice")
-        for name in GUARDED:
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-            self._originals[name] = original
-            setattr(dist, name, self._wrap(original))
+        targets = [(dist, GUARDED), *([(funcol, GUARDED_FUNCTIONAL)] if funcol is not None else [])]
+        for module, names in targets:
+            for name in names:
+                original = getattr(module, name, None)
+                if original is None:
+                    continue
+                self._originals[(module, name)] = original
+                setattr(module, name, self._wrap(original))
 
     def _leave(self) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
         self._originals.clear()
 
     def finished(self) -> int:
@@ -157,4 +190,4 @@ class CollectiveGuard:
             raise PeerFailed(failures)
 
 
-__all__ = ["GUARDED", "CollectiveGuard", "PeerFailed"]
+__all__ = ["GUARDED", "GUARDED_FUNCTIONAL", "CollectiveGuard", "PeerFailed"]

@@ -6,8 +6,9 @@ Which strategies retune serves, and why:
 * ``ModelParallelStrategy`` with FSDP2 data-parallel sharding (``fully_shard`` in
   ``configure_model``, ``tensor_parallel_size=1``): FSDP2 has no wrapper, the LightningModule is
   sharded in place, so a probe runs it exactly as training does;
-* refused: tensor parallelism (``tensor_parallel_size > 1``: its DTensor collectives bypass the
-  guard that keeps a rank that runs out of memory from stranding the others), ``FSDPStrategy``
+* refused: tensor parallelism (``tensor_parallel_size > 1``: the search treats every rank as a
+  data-parallel replica, with its own share of the samples and its own probe batches, where the
+  ranks of a tensor-parallel group must all see the same batch), ``FSDPStrategy``
   (FSDP1 wraps the model; probes would have to run through the wrapper), ``DeepSpeedStrategy`` (its
   engine owns the optimizer step and the partitioned state). Each error says what works instead.
 
@@ -79,9 +80,10 @@ def check_strategy(trainer: Any) -> None:
         if tp > 1:
             raise RetuneError(
                 f"ScheduledBatchSizeFinder supports ModelParallelStrategy with FSDP2 data-parallel sharding only; "
-                f"this run has tensor_parallel_size={tp}. Tensor parallelism's DTensor collectives bypass the "
-                "guard that stops every rank together when one runs out of memory in a probe, so a probe could "
-                "hang. Use `ModelParallelStrategy(data_parallel_size=<devices>, tensor_parallel_size=1)` (note: "
+                f"this run has tensor_parallel_size={tp}. The search treats every rank as a data-parallel "
+                "replica (its own share of the samples, its own probe batches), while the ranks of a "
+                "tensor-parallel group must all see the same batch. "
+                "Use `ModelParallelStrategy(data_parallel_size=<devices>, tensor_parallel_size=1)` (note: "
                 "Lightning's default `tensor_parallel_size='auto'` is tensor parallelism over all devices)."
             )
         return

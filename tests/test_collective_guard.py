@@ -1,7 +1,9 @@
 """CollectiveGuard: a rank that fails anywhere in a guarded region never leaves another one waiting.
 
 2 gloo processes in a subprocess with a timeout (tests/fsdp2/run_guard.py): a hang fails the test.
-The failures are the real ``torch.OutOfMemoryError``, raised by an oracle before the k-th collective.
+The failures are the real ``torch.OutOfMemoryError``, raised by an oracle before the k-th collective,
+in regions of ``torch.distributed`` collectives and in regions of DTensor's functional collectives
+(``full_tensor``, ``clip_grad_norm_`` over sharded gradients).
 """
 
 from __future__ import annotations
@@ -44,3 +46,16 @@ def test_a_failure_after_the_last_collective_is_caught_by_the_closing_agreement(
     rank0, _ = ranks
     late = next(r for r in rank0 if r["fail_at"] == 3 and not r["both"])
     assert late["outcome"] == "peer"  # rank 0 finished its region; the closing status all-reduce told it
+
+
+def test_dtensor_collectives_are_guarded_too(ranks: Any) -> None:
+    rank0, rank1 = ranks
+    dtensor = [(r0, r1) for r0, r1 in zip(rank0, rank1, strict=True) if r0["kind"] == "dtensor"]
+    assert len(dtensor) == 10
+    clean = next(r0 for r0, _ in dtensor if r0["fail_at"] is None)
+    # a status all-reduce before each functional collective (the all-gather, the all-reduce, the one
+    # all-reduce of clip_grad_norm_'s norm), then the closing one: none of them bypassed the guard
+    # (without guarding DTensor's collectives this is 1: the closing one only)
+    assert clean["status_calls"] == 4
+    before_clip = next(r0 for r0, _ in dtensor if r0["fail_at"] == 2 and not r0["both"])
+    assert before_clip["outcome"] == "peer", "rank 0 stopped before clip_grad_norm_'s all-reduce, not in it"
