@@ -22,10 +22,12 @@ from torch.utils.data import DataLoader
 from retune import compat
 from retune.bucket_loader import BucketBatchSampler, TrainLoaderHook, batch_index, is_shuffled, loader_seed
 from retune.bucket_loader import with_batch_sampler as _with_batch_sampler
-from retune.bucket_sizes import BucketMemory, BucketSearchResult, Direction, search_buckets
+from retune.bucket_sizes import BucketMemory, BucketSearchResult, BucketTrial, Direction, search_buckets
+from retune.bucket_throughput import bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
 from retune.buckets import Buckets, assign, mean_batch, plan_buckets
 from retune.probe import Prober
 from retune.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
+from retune.throughput import ThroughputPlan, choose_fastest
 
 
 @dataclass
@@ -36,6 +38,13 @@ class BucketState:
     sizes: list[int] = field(default_factory=list)
     memory: BucketMemory | None = None
     seed: int | None = None
+    largest: list[int] = field(default_factory=list)
+    """``objective: throughput``: each bucket's largest size that fit, before the cap (empty: ``sizes`` are)."""
+    reference: int | None = None
+    """``objective: throughput``: the bucket the selection timed, and ``chosen``, its size there."""
+    chosen: int | None = None
+    padded: int | None = None
+    """``objective: throughput``: the padded work per step every bucket is capped at (None: no cap)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,7 +52,16 @@ class BucketState:
             "sizes": list(self.sizes),
             "memory": None if self.memory is None else self.memory.to_dict(),
             "seed": self.seed,
+            "largest": list(self.largest),
+            "reference": self.reference,
+            "chosen": self.chosen,
+            "padded": self.padded,
         }
+
+    @property
+    def fit_sizes(self) -> list[int]:
+        """The largest sizes that fit (what a warm fit search starts from), capped or not."""
+        return list(self.largest) if len(self.largest) == len(self.sizes) else list(self.sizes)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> BucketState:
@@ -53,6 +71,10 @@ class BucketState:
             [int(s) for s in data.get("sizes") or []],
             None if memory is None else BucketMemory.from_dict(memory),
             data.get("seed"),
+            [int(s) for s in data.get("largest") or []],  # absent before throughput worked with buckets
+            _int_or_none(data.get("reference")),
+            _int_or_none(data.get("chosen")),
+            _int_or_none(data.get("padded")),
         )
 
 
@@ -63,8 +85,16 @@ class BucketOutcome:
     buckets: Buckets
     result: BucketSearchResult
     sizes: list[int | None]
-    """Each bucket's size after the margin (None: nothing fit the bucket)."""
+    """Each bucket's size after the margin (None: nothing fit the bucket); with ``objective: throughput``,
+    after the cap at the fastest padded work per step."""
     sizes_before: list[int]
+    largest: list[int] = field(default_factory=list)
+    """``objective: throughput``: each bucket's largest size that fit (margin applied), before the cap."""
+    reference: int | None = None
+    chosen: int | None = None
+    padded: int | None = None
+    limited: bool = False
+    """Only the buckets whose real steps ran out of memory were searched (an ``oom`` re-tune)."""
 
 
 class TrainBuckets:
@@ -237,7 +267,8 @@ class TrainBuckets:
         world = max(1, int(trainer.world_size))
         uppers = [max(1, min(max_val, -(-len(m) // world))) for m in buckets.members]
         same_buckets = list(buckets.bounds) == self.state.bounds and len(self.state.sizes) == buckets.count
-        previous: list[int | None] | None = list(self.state.sizes) if same_buckets and not cold else None
+        # a warm search starts where memory was last time: the largest sizes, not a throughput cap below them
+        previous: list[int | None] | None = list(self.state.fit_sizes) if same_buckets and not cold else None
         prior = self.state.memory if same_buckets else None
         failures = {b: f for b, f in self.failures.items() if b < buckets.count} if same_buckets else {}
         self.failures = {}
@@ -288,7 +319,62 @@ class TrainBuckets:
                 best = size if best is None else max(best, size)
         if only is not None and previous is not None:
             sizes = [sizes[b] if b in only else previous[b] for b in range(buckets.count)]
-        return BucketOutcome(buckets, result, sizes, list(self.state.sizes) if same_buckets else [])
+        return BucketOutcome(
+            buckets, result, sizes, list(self.state.sizes) if same_buckets else [], limited=only is not None
+        )
+
+    def cap_at_fastest(
+        self,
+        outcome: BucketOutcome,
+        prober: Prober,
+        *,
+        tolerance: float,
+        steps: int,
+        warm: bool,
+    ) -> None:
+        """``objective: throughput``: cap every bucket's size at the fastest padded work per step (in place).
+
+        Runs inside the probe session, after the search for what fits. The selection
+        (:func:`~retune.throughput.choose_fastest`) times the reference bucket's worst batch, as the search
+        probed it, reusing the search's timed trials in that bucket; ``warm`` starts it at the size it chose
+        there last time. An ``oom`` re-tune of some buckets keeps the padded work found last time and times
+        nothing. Trials it adds are appended to ``outcome.result.trials`` (their bucket is the reference).
+        """
+        sizes = outcome.sizes
+        if any(s is None for s in sizes):
+            return  # nothing fits a bucket: the search fails as it would with objective: largest
+        fit = [int(s) for s in sizes if s is not None]
+        buckets = outcome.buckets
+        same = list(buckets.bounds) == self.state.bounds and len(self.state.sizes) == buckets.count
+        if outcome.limited and same and self.state.reference is not None:
+            padded = self.state.padded
+            outcome.sizes = list(fit if padded is None else capped_sizes(fit, buckets.largest, padded))
+            outcome.largest, outcome.padded = fit, padded
+            outcome.reference, outcome.chosen = self.state.reference, self.state.chosen
+            return
+        reference = reference_bucket(buckets.largest, [len(m) for m in buckets.members])
+        start = self.state.chosen if warm and same and self.state.reference == reference else None
+        known = bucket_timings(outcome.result.trials, prober.step_times, reference)
+        trials = outcome.result.trials
+
+        def time_trial(size: int) -> tuple[bool, list[float]]:
+            prober.arrange = lambda loader: with_index_order(loader, buckets.worst(reference, size) * steps, size)
+            self.current_bucket = reference
+            try:
+                fits, seconds = prober.time(size)
+            finally:
+                self.current_bucket = None
+            trials.append(BucketTrial(reference, size, fits, None))
+            return fits, seconds
+
+        with self.hook.paused():
+            choice = choose_fastest(
+                ThroughputPlan(cap=fit[reference], tolerance=tolerance, start=start), known, time_trial
+            )
+        capped = cap_at_fastest(fit, buckets.largest, reference, choice)
+        outcome.sizes = list(capped.sizes)
+        outcome.largest, outcome.padded = capped.largest, capped.padded
+        outcome.reference, outcome.chosen = capped.reference, capped.chosen
 
     def apply(self, outcome: BucketOutcome) -> None:
         sizes = outcome.sizes
@@ -296,6 +382,8 @@ class TrainBuckets:
         self.buckets = outcome.buckets
         self.state.bounds = list(outcome.buckets.bounds)
         self.state.sizes = [int(s) for s in sizes if s is not None]
+        self.state.largest = list(outcome.largest)
+        self.state.reference, self.state.chosen, self.state.padded = outcome.reference, outcome.chosen, outcome.padded
         if outcome.result.memory is not None:
             self.state.memory = outcome.result.memory
 
@@ -306,6 +394,10 @@ class TrainBuckets:
         sampler = self.sampler
         world, drop_last = (sampler.world_size, sampler.drop_last) if sampler is not None else (self._world_size, False)
         return mean_batch(self.buckets, self.state.sizes, drop_last, world)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 __all__ = ["BucketOutcome", "BucketState", "TrainBuckets"]

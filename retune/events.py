@@ -73,6 +73,16 @@ class RetuneEvent:
     """The bucket each trial probed, in the order of ``trials`` (buckets only)."""
     samples_per_step: float = 0.0
     """Buckets: samples per training step on one rank, averaged over an epoch (what ``apply`` policies use)."""
+    bucket_largest: list[int] = field(default_factory=list)
+    """Buckets with ``throughput``: each bucket's largest size that fit (margin applied), before the cap at
+    the fastest padded work per step (``bucket_sizes`` are after it). Empty otherwise."""
+    reference_bucket: int | None = None
+    """Buckets with ``throughput``: the bucket whose sizes were timed (the most padded work per epoch); its
+    trials' rates are ``samples_per_s`` and ``largest`` is its largest size that fit."""
+    padded_per_step: int | None = None
+    """Buckets with ``throughput``: ``T*``, the reference bucket's fastest size x its longest sample, the padded
+    work per step (in ``sample_size`` units: tokens, pixels) every bucket was capped at. None: no cap (the
+    fastest size was the largest that fit)."""
 
     @property
     def is_recovery(self) -> bool:

@@ -55,6 +55,9 @@ CSV_FIELDS = (
     "bucket_sizes",
     "bucket_bounds",
     "samples_per_step",
+    "bucket_largest",
+    "reference_bucket",
+    "padded_per_step",
     "objective",
     "largest",
     "samples_per_s",
@@ -203,6 +206,9 @@ def write_csv(path: PathLike, events: Sequence[RetuneEvent]) -> Path:
                     "bucket_sizes": _slashed(e.bucket_sizes),
                     "bucket_bounds": _slashed(e.bucket_bounds),
                     "samples_per_step": f"{e.samples_per_step:g}" if e.bucket_sizes else "",
+                    "bucket_largest": _slashed(e.bucket_largest),
+                    "reference_bucket": _blank(e.reference_bucket),
+                    "padded_per_step": _blank(e.padded_per_step),
                 }
             )
     return path
@@ -303,17 +309,33 @@ def trial_rates_of(event: RetuneEvent) -> list[float | None]:
 
 
 def size_rates(event: RetuneEvent) -> dict[int, float]:
-    """Samples per second per size tried, the median over the size's trials (a repeated size has several)."""
+    """Samples per second per size tried, the median over the size's trials (a repeated size has several).
+
+    With buckets, only the reference bucket's trials: the same size in another bucket is another batch.
+    """
     by_size: dict[int, list[float]] = {}
-    for trial, rate in zip(event.trials, trial_rates_of(event), strict=True):
+    reference = event.reference_bucket
+    buckets = event.trial_buckets if len(event.trial_buckets) == len(event.trials) else None
+    for index, (trial, rate) in enumerate(zip(event.trials, trial_rates_of(event), strict=True)):
+        if reference is not None and buckets is not None and buckets[index] != reference:
+            continue
         if rate is not None:
             by_size.setdefault(trial.batch_size, []).append(rate)
     return {size: statistics.median(rates) for size, rates in sorted(by_size.items())}
 
 
+def chosen_size(event: RetuneEvent) -> int:
+    """The size a throughput search chose where it timed: ``batch_size_after``, or with buckets the
+    reference bucket's size."""
+    reference = event.reference_bucket
+    if reference is not None and reference < len(event.bucket_sizes):
+        return event.bucket_sizes[reference]
+    return event.batch_size_after
+
+
 def chosen_rate(event: RetuneEvent) -> float | None:
     """Samples per second measured at the size a throughput search chose (None otherwise)."""
-    return size_rates(event).get(event.batch_size_after)
+    return size_rates(event).get(chosen_size(event))
 
 
 def format_summary(event: RetuneEvent, where: str | None = None) -> str:
@@ -327,9 +349,9 @@ def format_summary(event: RetuneEvent, where: str | None = None) -> str:
         before = _slashed(event.bucket_sizes_before) or str(event.batch_size_before)
         return (
             f"{where or f'epoch {event.epoch}'}: {event.stage} batch sizes per bucket {before} -> "
-            f"{_slashed(event.bucket_sizes)} (samples up to {_slashed(event.bucket_bounds)}; "
-            f"{event.samples_per_step:g} samples per step; {len(event.trials)} trials, {event.duration_s:.2f}s, "
-            f"trigger {event.trigger})"
+            f"{_slashed(event.bucket_sizes)} ({_bucket_throughput(event)}samples up to "
+            f"{_slashed(event.bucket_bounds)}; {event.samples_per_step:g} samples per step; {len(event.trials)} "
+            f"trials, {event.duration_s:.2f}s, trigger {event.trigger})"
         )
     fastest = ""
     if event.objective == "throughput":
@@ -347,6 +369,21 @@ def format_summary(event: RetuneEvent, where: str | None = None) -> str:
         f"{event.batch_size_after} ({fastest}{len(event.trials)} trials, {event.duration_s:.2f}s, "
         f"trigger {event.trigger})"
     )
+
+
+def _bucket_throughput(event: RetuneEvent) -> str:
+    """``objective: throughput`` with buckets: the largest sizes before the cap, the bucket timed, and ``T*``."""
+    reference = event.reference_bucket
+    if event.objective != "throughput" or reference is None:
+        return ""
+    chosen = chosen_rate(event)
+    at = "" if chosen is None else f" at {format_rate(chosen)}"
+    if event.padded_per_step is None:
+        cap = "no cap: the largest that fits is the fastest"
+    else:
+        cap = f"capped at {event.padded_per_step:,} padded per step"
+    largest = f"largest that fit {_slashed(event.bucket_largest)}; " if event.bucket_largest else ""
+    return f"{largest}fastest {chosen_size(event)} in bucket {reference}{at}, {cap}; "
 
 
 def _slashed(values: Sequence[int]) -> str:
@@ -373,6 +410,8 @@ def event_metrics(event: RetuneEvent) -> dict[str, float]:
         metrics[f"{prefix}batch_size_bucket{bucket}"] = float(size)
     if event.bucket_sizes:
         metrics[f"{prefix}samples_per_step"] = float(event.samples_per_step)
+    if event.padded_per_step is not None:
+        metrics[f"{prefix}padded_per_step"] = float(event.padded_per_step)
     rate = chosen_rate(event)
     if rate is not None:
         metrics[f"{prefix}samples_per_s"] = float(rate)
@@ -426,7 +465,10 @@ def format_table(events: Sequence[RetuneEvent]) -> str:
         for row, e in zip(rows, events, strict=True):
             rate = chosen_rate(e)
             row.append("-" if rate is None else format_rate(rate).removesuffix(" samples/s"))
-            row.append("-" if e.largest is None else str(e.largest))
+            if e.bucket_largest:
+                row.append(_slashed(e.bucket_largest))  # per bucket, before the cap
+            else:
+                row.append("-" if e.largest is None else str(e.largest))
     searches = sum(1 for e in events if not e.is_recovery)
     title = f"retune: {searches} search{'es' if searches != 1 else ''}"
     bounds = next((e.bucket_bounds for e in reversed(events) if e.bucket_bounds), None)
@@ -533,11 +575,14 @@ def _plot_throughput(axis: Any, events: Sequence[RetuneEvent]) -> None:
     """Samples/s over batch size for each throughput search: the curve it measured, its choice starred."""
     for e in events:
         rates = size_rates(e)
-        label = f"step {e.global_step}: {e.trigger}"
+        label = f"step {e.global_step}: {e.trigger}" + (
+            "" if e.reference_bucket is None else f" (bucket {e.reference_bucket})"
+        )
         (line,) = axis.plot(list(rates), list(rates.values()), "o-", markersize=3, linewidth=1, label=label)
-        chosen = rates.get(e.batch_size_after)
+        size = chosen_size(e)
+        chosen = rates.get(size)
         if chosen is not None:
-            axis.plot([e.batch_size_after], [chosen], "*", markersize=12, color=line.get_color())
+            axis.plot([size], [chosen], "*", markersize=12, color=line.get_color())
         if e.largest is not None and e.largest in rates:
             axis.plot([e.largest], [rates[e.largest]], "x", markersize=8, color=line.get_color())
     axis.set_xscale("log", base=2)
@@ -667,6 +712,7 @@ __all__ = [
     "bucket_series",
     "chosen_peak",
     "chosen_rate",
+    "chosen_size",
     "event_metrics",
     "format_bytes",
     "format_summary",

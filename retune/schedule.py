@@ -111,7 +111,9 @@ class SearchConfig(_Config):
     objective: Objective = Field(
         "largest",
         description="largest: the largest size that fits; throughput: among the sizes that fit, the one with the "
-        "most samples per second, timed on the probes' steps after the first of each trial.",
+        "most samples per second, timed on the probes' steps after the first of each trial (with batching: "
+        "buckets, timed in the bucket with the most padded work, and every bucket capped at the same padded "
+        "work per step).",
     )
     throughput_tolerance: StrictFloat = Field(
         0.03,
@@ -167,11 +169,6 @@ class SearchConfig(_Config):
             raise ValueError(
                 "buckets needs every sample's size to put it in a bucket, so it cannot be combined with "
                 "search.scan_limit; remove scan_limit"
-            )
-        if value == "buckets" and info.data.get("objective") == "throughput":
-            raise ValueError(
-                "buckets gives every length bucket the largest size that fits; search.objective: throughput "
-                "(the fastest size) is not defined per bucket yet: use objective: largest with buckets"
             )
         return value
 

@@ -202,6 +202,14 @@ def search_stage(
                     direction=direction,
                     cold=cold,
                 )
+                if config.objective == "throughput":
+                    buckets.cap_at_fastest(
+                        outcome,
+                        prober,
+                        tolerance=config.throughput_tolerance,
+                        steps=config.steps_per_trial,
+                        warm=config.warm_start and not cold,
+                    )
                 result = _bucket_summary(outcome)
             elif mode == "model" and limit is not None:
                 # after an unfreeze the old slope misleads more than it helps: measure the new one
@@ -209,7 +217,7 @@ def search_stage(
                 result = run_model_search(plan, prober.measure, limit, prior)
             else:
                 result = run_search(plan, prober.fits)
-            if config.objective == "throughput" and result.size is not None:
+            if config.objective == "throughput" and result.size is not None and outcome is None:
                 largest = result.size
                 result = fastest_that_fits(prober, result, schedule, None if cold else state.size)
     except BaseException:
@@ -266,8 +274,8 @@ def search_stage(
         mode=shown_mode,
         note=note,
         objective=config.objective,
-        samples_per_s=[] if largest is None else trial_rates(result.trials, prober.step_times),
-        largest=largest,
+        samples_per_s=[] if config.objective != "throughput" else trial_rates(result.trials, prober.step_times),
+        largest=largest if outcome is None else _reference_largest(outcome),
         **_bucket_fields(outcome, buckets),
     )
     state.size, state.last = result.size, result
@@ -315,7 +323,17 @@ def _bucket_fields(outcome: BucketOutcome | None, buckets: TrainBuckets | None) 
         "bucket_samples": [len(m) for m in outcome.buckets.members],
         "trial_buckets": [t.bucket for t in outcome.result.trials],
         "samples_per_step": round(buckets.mean_batch(), 2),
+        "bucket_largest": list(outcome.largest),
+        "reference_bucket": outcome.reference,
+        "padded_per_step": outcome.padded,
     }
+
+
+def _reference_largest(outcome: BucketOutcome) -> int | None:
+    """Throughput with buckets: the largest size that fit the reference bucket (the cap its selection had)."""
+    if outcome.reference is None or not outcome.largest:
+        return None
+    return outcome.largest[outcome.reference]
 
 
 def fastest_that_fits(prober: Prober, result: SearchResult, schedule: RetuneSchedule, last: int | None) -> SearchResult:

@@ -9,6 +9,7 @@ its samples' dataset indices, so tests can check that each sample trains once pe
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -145,3 +146,49 @@ def trainer(callbacks: list[Any], epochs: int = 1, **kwargs: Any) -> Any:
     }
     options.update(kwargs)
     return pl.Trainer(callbacks=callbacks, **options)
+
+
+@dataclass(frozen=True)
+class PaddedStepTime:
+    """A step's seconds as a known function of its padded tokens ``T = batch x longest`` (tests/step_time.py's
+    oracle, in tokens): ``fixed + per_token x T`` up to ``knee`` tokens, then each further token costs ``crowded``.
+
+    Tokens per second, and so every bucket's samples per second, peak at ``knee`` padded tokens per step. With
+    the backbone unfrozen the per-token costs grow by ``unfrozen_cost`` and the knee moves to ``knee_unfrozen``.
+    The first step of a probe trial takes ``warmup`` seconds more (never timed).
+    """
+
+    fixed: float = 0.010
+    per_token: float = 0.00001
+    knee: int = 1024
+    crowded: float = 0.00003
+    unfrozen_cost: float = 0.0
+    knee_unfrozen: int | None = None
+    warmup: float = 1.0
+
+    def seconds(self, tokens: int, unfrozen: bool = False) -> float:
+        scale = 1 + (self.unfrozen_cost if unfrozen else 0.0)
+        knee = self.knee_unfrozen if unfrozen and self.knee_unfrozen is not None else self.knee
+        return self.fixed + scale * (self.per_token * min(tokens, knee) + self.crowded * max(0, tokens - knee))
+
+    def rate(self, batch: int, longest: int, unfrozen: bool = False) -> float:
+        """Samples per second of a batch of ``batch`` samples padded to ``longest``."""
+        return batch / self.seconds(batch * longest, unfrozen)
+
+
+class TimedBucketModel(BucketModel):
+    """``BucketModel`` whose every training step takes ``times.seconds(padded tokens)`` on ``clock``
+    (a ``tests.step_time.FakeClock`` the finder reads: ``ScheduledBatchSizeFinder(..., clock=clock)``)."""
+
+    def __init__(self, data: Dataset[Any], clock: Any, times: PaddedStepTime, **kwargs: Any) -> None:
+        super().__init__(data, **kwargs)
+        self.clock, self.times = clock, times
+
+    def unfrozen(self) -> bool:
+        return bool(next(self.mlp.parameters()).requires_grad)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        warm = self.times.warmup if batch_idx == 0 else 0.0  # a probe trial's first step warms up
+        self.clock.advance(self.times.seconds(int(batch[0].numel()), self.unfrozen()) + warm)
+        return loss

@@ -106,6 +106,11 @@ def test_schedule_fields() -> None:
     assert default.batching == "fixed" and default.buckets == 6
     chosen = load_schedule({"triggers": [{"kind": "fit_start"}], "search": {"batching": "buckets", "buckets": 3}})
     assert chosen.search.batching == "buckets" and chosen.search.buckets == 3
+    # the fastest padded work per step, every bucket capped at it (tests/test_buckets_throughput_fit.py)
+    both = load_schedule(
+        {"triggers": [{"kind": "fit_start"}], "search": {"batching": "buckets", "objective": "throughput"}}
+    )
+    assert both.search.batching == "buckets" and both.search.objective == "throughput"
 
 
 @pytest.mark.parametrize(
@@ -116,7 +121,7 @@ def test_schedule_fields() -> None:
         ({"buckets": 2.5}, "search.buckets", "valid integer"),
         ({"buckets": "4"}, "search.buckets", "valid integer"),
         ({"batching": "buckets", "scan_limit": 100}, "search.batching", "cannot be combined with search.scan_limit"),
-        ({"objective": "throughput", "batching": "buckets"}, "search.batching", "use objective: largest with buckets"),
+        ({"objective": "throughput", "batching": "buckets", "steps_per_trial": 1}, "search.objective", ">= 2, got 1"),
     ],
 )
 def test_bad_bucket_configuration_is_a_schedule_error_naming_the_field(
