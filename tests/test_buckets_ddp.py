@@ -62,3 +62,32 @@ def test_same_number_of_batches_same_bucket_per_step_every_sample_once(ranks: li
 def test_every_real_step_of_each_rank_stays_within_the_budget(ranks: list[dict[str, Any]]) -> None:
     budget = parse_byte_size(bucket_data.BUDGET)
     assert all(max(r["peaks"]) <= budget for r in ranks), [max(r["peaks"]) / budget for r in ranks]
+
+
+def test_throughput_ranks_agree_and_the_slowest_rank_decides_the_padded_work(tmp_path: Path) -> None:
+    from tests.ddp.run_ddp_buckets_throughput import TIMES
+
+    script = Path(__file__).parent / "ddp" / "run_ddp_buckets_throughput.py"
+    code, output, out = run_rank_scripts({"throughput": ["{out}"]}, script, tmp_path, 240)["throughput"]
+    assert code == 0, output[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    (event0,), (event1,) = ranks[0]["history"], ranks[1]["history"]
+    assert event0 == {**event1, "duration_s": event0["duration_s"]}  # the same trials, rates, choice and cap
+    assert ranks[0]["bucket_sizes"] == ranks[1]["bucket_sizes"] == event0["bucket_sizes"]
+    ref = event0["reference_bucket"]
+    longest = event0["bucket_bounds"][ref]
+
+    def slowest(size: int) -> float:  # every step waits for the slowest rank
+        return size / max(t.seconds(size * longest) for t in TIMES.values())
+
+    for (size, fits), rate, bucket in zip(
+        event0["trials"], event0["samples_per_s"], event0["trial_buckets"], strict=True
+    ):
+        assert rate is None or (bucket == ref and fits and rate == pytest.approx(slowest(size)))
+    assert any(rate is not None for rate in event0["samples_per_s"])
+    chosen = event0["bucket_sizes"][ref]
+    best = max(slowest(b) for b in range(1, event0["largest"] + 1))
+    assert slowest(chosen) >= (1 - 0.03) * best
+    # rank 0 alone would work at ~1024 padded tokens per step: the slower rank 1 holds it near 512
+    assert event0["padded_per_step"] == chosen * longest <= 512 + longest
+    assert max(ranks[0]["sizes"]) == max(ranks[1]["sizes"]) == max(event0["bucket_sizes"])

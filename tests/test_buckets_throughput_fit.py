@@ -248,3 +248,46 @@ def test_events_report_and_files_show_the_cap(runs: dict[str, dict[str, Any]], t
     assert values["bucket_largest"] == largest and values["reference_bucket"] == str(ref)
     assert values["padded_per_step"] == str(event.padded_per_step)
     assert paths and (tmp_path / report.PNG_NAME).exists()
+
+
+class _OomAfter(TimedBucketModel):
+    """Runs out of memory like a GPU, with the real error type, when ``batch x longest`` passes ``capacity``
+    tokens; from global step 1 on, batches of long samples (> 100 tokens) have half of it."""
+
+    def __init__(self, clock: FakeClock, times: PaddedStepTime, capacity: int) -> None:
+        super().__init__(IndexedTokens(long_tail_lengths(N)), clock, times)
+        self.capacity = capacity
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids = batch[0]
+        longest = int((ids > 0).sum(1).max())
+        capacity = self.capacity // 2 if longest > 100 and self.trainer.global_step >= 1 else self.capacity
+        if ids.shape[0] * longest > capacity:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (oracle: {ids.shape[0]} x {longest} > {capacity})")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_oom_re_tune_lowers_only_the_failing_bucket_and_keeps_the_padded_work() -> None:
+    seed(0)
+    clock = FakeClock()
+    times = PaddedStepTime(knee=1536)
+    model = _OomAfter(clock, times, capacity=2048)
+    schedule = {
+        "triggers": [{"kind": "fit_start"}, {"kind": "oom"}],
+        "search": {"batching": "buckets", "buckets": 4, "mode": "binsearch", "margin": 0.0, "objective": "throughput"},
+    }
+    finder = ScheduledBatchSizeFinder(schedule, sample_size=tokens, verbose=False, write_report=False, clock=clock)
+    bucket_data.trainer([finder], epochs=2).fit(model)
+    first, second = [e for e in finder.history if not e.is_recovery]
+    assert second.trigger == "oom"
+    _check_cap(first, times)
+    # the long samples' bucket: 8 x 246 fit 2048 tokens, the cap at ~1536 padded tokens per step lowered it
+    assert first.bucket_largest[3] == 8 and first.bucket_sizes[3] == first.padded_per_step // 246 < 8  # type: ignore[operator]
+    # the re-tune probes only that bucket for what fits, times nothing, and keeps T*
+    assert set(second.trial_buckets) == {3} and all(r is None for r in second.samples_per_s)
+    assert second.padded_per_step == first.padded_per_step
+    assert second.reference_bucket == first.reference_bucket
+    assert second.bucket_largest[:3] == first.bucket_largest[:3]
+    assert second.bucket_largest[3] == 1024 // 246
+    assert second.bucket_sizes == capped_sizes(second.bucket_largest, second.bucket_bounds, first.padded_per_step)  # type: ignore[arg-type]
+    assert finder.bucket_sizes == second.bucket_sizes
