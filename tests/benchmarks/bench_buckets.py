@@ -11,14 +11,17 @@ re-tune), side by side in one process:
   400-512, dynamic padding, budget 48 MiB.
 
 For ``probe_samples: first`` (one size found on the first batches: unsafe), ``probe_samples: largest``
-(one size that fits the longest samples) and ``batching: buckets`` (6 buckets, each probed on its
-longest samples), per epoch: mean samples per step, the worst real step's peak / budget (every real
+(one size that fits the longest samples), ``batching: buckets`` (6 buckets, each probed on its
+longest samples) and ``buckets_throughput`` (the same buckets with ``objective: throughput``: every bucket
+capped at the padded work per step where the reference bucket trains fastest; 3 steps per trial), per
+epoch: mean samples per step, the worst real step's peak / budget (every real
 step measured as a probe is), the padding fraction (pad tokens / tokens in padded batches), the
 epoch's wall time and samples/s (from a second, identical run without the per-step tracker, whose
 dispatch hooks would otherwise slow every step), and trials and seconds of the search at fit start and
 of the re-tune after the unfreeze.
 
-Run: ``python -m tests.benchmarks.bench_buckets`` (writes tests/benchmarks/results/buckets.json).
+Run: ``python -m tests.benchmarks.bench_buckets`` (writes tests/benchmarks/results/buckets.json; ``--out`` another
+file there).
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ from tests import varlen
 from tests.lightning_ns import NAMESPACE, PRECISION_32, pl, seed
 
 RESULTS = Path(__file__).parent / "results"
-MODES = ("first", "largest", "buckets")
+MODES = ("first", "largest", "buckets", "buckets_throughput")
+THROUGHPUT_STEPS = 3
+"""``buckets_throughput`` probes: 1 warm-up + 2 timed steps per trial (throughput needs >= 2)."""
 
 
 # -- workloads -----------------------------------------------------------------------------------------
@@ -204,6 +209,8 @@ def one_fit(workload: str, mode: str, peaks: bool) -> dict[str, Any]:
     search: dict[str, Any] = {"steps_per_trial": 2}
     if mode == "buckets":
         search["batching"] = "buckets"
+    elif mode == "buckets_throughput":
+        search.update(batching="buckets", objective="throughput", steps_per_trial=THROUGHPUT_STEPS)
     else:
         search["probe_samples"] = mode
     schedule = {
@@ -235,6 +242,9 @@ def one_fit(workload: str, mode: str, peaks: bool) -> dict[str, Any]:
             "batch_size": e.batch_size_after,
             "bucket_sizes": e.bucket_sizes,
             "bucket_bounds": e.bucket_bounds,
+            "bucket_largest": e.bucket_largest,
+            "reference_bucket": e.reference_bucket,
+            "padded_per_step": e.padded_per_step,
         }
         for e in finder.history
     ]
@@ -277,6 +287,8 @@ def table(results: dict[str, Any]) -> str:
         for mode, r in modes.items():
             for epoch, (e, s) in enumerate(zip(r["epochs"], r["searches"], strict=False)):
                 sizes = "/".join(map(str, s["bucket_sizes"])) if s["bucket_sizes"] else str(s["batch_size"])
+                if s.get("bucket_largest"):
+                    sizes += f" (largest {'/'.join(map(str, s['bucket_largest']))}, T* {s.get('padded_per_step')})"
                 lines.append(
                     f"  {mode:8s}  {epoch:5d}  {e['samples_per_step']:12.1f}  {e['seconds']:7.2f}  "
                     f"{e['samples_per_s']:9.1f}  {e['worst_peak_over_budget']:17.2f}  {e['padding']:7.2f}  "
@@ -315,6 +327,25 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "pass": b["seconds"] < big["seconds"],
                 },
             ]
+        capped = modes.get("buckets_throughput")
+        if capped is not None:
+            for epoch, (c, b) in enumerate(zip(capped["epochs"], buckets["epochs"], strict=True)):
+                checks += [
+                    {
+                        "workload": workload,
+                        "epoch": epoch,
+                        "target": "buckets_throughput worst real step <= budget",
+                        "value": c["worst_peak_over_budget"],
+                        "pass": c["worst_peak_over_budget"] <= 1.0,
+                    },
+                    {
+                        "workload": workload,
+                        "epoch": epoch,
+                        "target": "buckets_throughput samples/s >= 0.95x buckets (largest)",
+                        "value": round(c["samples_per_s"] / b["samples_per_s"], 2),
+                        "pass": c["samples_per_s"] >= 0.95 * b["samples_per_s"],
+                    },
+                ]
         retune = buckets["searches"][-1]
         count = len(retune["bucket_sizes"])
         checks.append(
@@ -339,12 +370,18 @@ def main(argv: list[str] | None = None) -> int:
         choices=list(MODES),
         help="run only these; the others' results are kept from the existing results file",
     )
+    parser.add_argument(
+        "--out",
+        default="buckets.json",
+        help="results file name under tests/benchmarks/results/ (buckets_throughput.json holds the run that "
+        "added the buckets_throughput arm, next to the quieter run of the other three in buckets.json)",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    previous = RESULTS / "buckets.json"
+    previous = RESULTS / args.out
     kept = json.loads(previous.read_text())["results"] if set(args.modes) != set(MODES) and previous.exists() else {}
     results = run(args.workloads, tuple(args.modes), kept)
     results = {w: {m: results[w][m] for m in MODES if m in results[w]} for w in results}
@@ -358,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "buckets.json").write_text(json.dumps(out, indent=2))
+    (RESULTS / args.out).write_text(json.dumps(out, indent=2))
     print(table(results))
     for check in checks:
         print(
