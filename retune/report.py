@@ -469,6 +469,11 @@ def format_table(events: Sequence[RetuneEvent]) -> str:
                 row.append(_slashed(e.bucket_largest))  # per bucket, before the cap
             else:
                 row.append("-" if e.largest is None else str(e.largest))
+    if any(e.reference_bucket is not None for e in events):
+        header.append("padded/step (bucket timed)")
+        for row, e in zip(rows, events, strict=True):
+            cap = "no cap" if e.padded_per_step is None else f"{e.padded_per_step:,}"
+            row.append("" if e.reference_bucket is None else f"{cap} (bucket {e.reference_bucket})")
     searches = sum(1 for e in events if not e.is_recovery)
     title = f"retune: {searches} search{'es' if searches != 1 else ''}"
     bounds = next((e.bucket_bounds for e in reversed(events) if e.bucket_bounds), None)

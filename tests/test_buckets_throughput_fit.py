@@ -18,6 +18,7 @@ import torch
 from retune import ScheduledBatchSizeFinder, report
 from retune.apply import accumulation_for
 from retune.bucket_throughput import capped_sizes, reference_bucket
+from retune.cli import main
 from retune.events import RetuneEvent
 from retune.schedule import parse_byte_size
 from tests import bucket_data
@@ -222,7 +223,9 @@ def test_resume_keeps_the_capped_sizes_and_the_next_search_starts_warm(tmp_path:
     _check_cap(again, TIMES)
 
 
-def test_events_report_and_files_show_the_cap(runs: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+def test_events_report_and_files_show_the_cap(
+    runs: dict[str, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (event,) = runs["throughput"]["finder"].history
     ref = event.reference_bucket
     assert ref is not None
@@ -237,6 +240,7 @@ def test_events_report_and_files_show_the_cap(runs: dict[str, dict[str, Any]], t
     assert f"capped at {event.padded_per_step:,} padded per step" in summary
     table = report.format_table([event])
     assert "largest" in table.splitlines()[1] and largest in table.splitlines()[-1]
+    assert "padded/step (bucket timed)" in table and f"{event.padded_per_step:,} (bucket {ref})" in table
     metrics = report.event_metrics(event)
     assert metrics["retune/padded_per_step"] == event.padded_per_step
     assert metrics["retune/samples_per_s"] == pytest.approx(chosen)
@@ -248,6 +252,10 @@ def test_events_report_and_files_show_the_cap(runs: dict[str, dict[str, Any]], t
     assert values["bucket_largest"] == largest and values["reference_bucket"] == str(ref)
     assert values["padded_per_step"] == str(event.padded_per_step)
     assert paths and (tmp_path / report.PNG_NAME).exists()
+    # `retune report` re-renders them from history.json
+    assert main(["report", str(paths.json), "--plot", str(tmp_path / "again.png")]) == 0
+    out = capsys.readouterr().out
+    assert largest in out and f"{event.padded_per_step:,} (bucket {ref})" in out
 
 
 class _OomAfter(TimedBucketModel):
