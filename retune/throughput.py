@@ -7,9 +7,10 @@ runs real steps at many sizes; timing them costs nothing. This module picks, amo
 fit, the one with the most samples per second, adding the few trials it needs to see the curve turn.
 
 Measurement: a trial's steps are timed one by one; its **first step is warm-up** (optimizer state is
-allocated, caches and allocator pools fill) and never counts. A size's rate is ``size / median`` of
-all the steady steps timed at that size, pooled over its trials, so one slow step (another process
-took the core) moves nothing.
+allocated, caches and allocator pools fill) and never counts. The trials the selection adds run at
+least :data:`SELECTION_STEPS` steps (4 timed), more than the fit search's. A size's rate is
+``size / median`` of all the steady steps timed at that size, pooled over its trials, so one slow
+step (another process took the core) moves nothing.
 
 Strategy, over sizes at most ``cap`` (what ``largest`` would apply, margin included):
 
@@ -55,11 +56,21 @@ from retune.search import SearchResult
 
 EXTRA_TRIALS = 10
 """Most trials the throughput selection adds to a search (the search for what fits has ``max_trials``)."""
+SELECTION_STEPS = 5
+"""Steps each selection trial runs at least (1 warm-up + 4 timed). The search for what fits times
+``steps_per_trial - 1`` steps per trial (2 by default), enough to tell a doubling apart; telling
+neighbouring sizes apart on a flat curve takes more: a median of 4 steps halves the spread of a
+median of 2 on a machine whose steps wobble by several percent."""
 REUSE_FACTOR = 1.5
 """A timed size within this factor of a ladder rung's target stands in for it (no new trial)."""
 
 TimeTrial = Callable[[int], tuple[bool, Sequence[float]]]
 """``time_trial(size) -> (fits, steady step seconds)``: one more trial at ``size``."""
+
+
+def selection_steps(steps_per_trial: int) -> int:
+    """Steps of one selection trial: ``steps_per_trial``, raised to :data:`SELECTION_STEPS`."""
+    return max(steps_per_trial, SELECTION_STEPS)
 
 
 def steady(step_seconds: Sequence[float] | None) -> list[float]:
@@ -313,8 +324,10 @@ __all__ = [
     "ThroughputPlan",
     "ThroughputResult",
     "choose",
+    "SELECTION_STEPS",
     "choose_fastest",
     "samples_per_second",
+    "selection_steps",
     "steady",
     "timed_sizes",
     "trial_rates",
