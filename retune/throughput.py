@@ -24,7 +24,9 @@ Strategy, over sizes at most ``cap`` (what ``largest`` would apply, margin inclu
    of two on its way up, so a cold search usually needs no rung of its own).
 3. **Refine** between the fastest size and its measured neighbours at their geometric midpoints,
    twice (the second round around the fastest size after the first), so the size lands within
-   about 10% of the best on the ladder between doublings.
+   about 10% of the best on the ladder between doublings. A re-tune whose start (the previous
+   choice) is still faster than both its rungs was refined there last time: its second round runs
+   only when the first found a faster midpoint.
 4. **Repeat a near tie**: when the chosen size and the runner-up are within twice the tolerance,
    both are timed once more and their steps pooled.
 5. **Choose** the smallest size whose rate is within ``tolerance`` of the fastest: ties go to the
@@ -149,7 +151,10 @@ class _Selection:
             climbed = self._climb(start)
             if not climbed:
                 self._descend(start)
-            self._refine()
+            # a re-tune whose start is still the fastest was refined there last time: one round of
+            # midpoints checks that nothing moved between the rungs; a second only if something did
+            settled = self.plan.start is not None and self._fastest() == start
+            self._refine(settled=settled)
             self._repeat_near_tie()
         rates = self._rates()
         self.result.rates = rates
@@ -184,9 +189,13 @@ class _Selection:
             else:
                 break
 
-    def _refine(self) -> None:
-        for _ in range(2):
+    def _refine(self, *, settled: bool = False) -> None:
+        """Two rounds of midpoints; after a settled re-tune's first round, a second only if the fastest moved."""
+        first = self._fastest()
+        for round_no in range(2):
             best = self._fastest()
+            if round_no == 1 and settled and best == first:
+                return
             timed = sorted(self.seconds)
             below = [s for s in timed if s < best]
             above = [s for s in timed if s > best]
