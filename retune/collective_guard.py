@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+funcol: Any
 try:  # DTensor's collectives (torch >= 2.2); absent from some builds
     import torch.distributed._functional_collectives as funcol
 except ImportError:  # pragma: no cover - every supported torch has it

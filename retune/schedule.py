@@ -116,7 +116,7 @@ class SearchConfig(_Config):
         "work per step).",
     )
     throughput_tolerance: StrictFloat = Field(
-        0.03,
+        0.02,
         ge=0.0,
         lt=1.0,
         allow_inf_nan=False,
