@@ -27,7 +27,7 @@ from retune.bucket_throughput import bucket_timings, cap_at_fastest, capped_size
 from retune.buckets import Buckets, assign, mean_batch, plan_buckets
 from retune.probe import Prober
 from retune.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
-from retune.throughput import ThroughputPlan, choose_fastest
+from retune.throughput import ThroughputPlan, choose_fastest, selection_steps
 
 
 @dataclass
@@ -357,11 +357,16 @@ class TrainBuckets:
         known = bucket_timings(outcome.result.trials, prober.step_times, reference)
         trials = outcome.result.trials
 
+        timed_steps = selection_steps(steps)
+
         def time_trial(size: int) -> tuple[bool, list[float]]:
-            prober.arrange = lambda loader: with_index_order(loader, buckets.worst(reference, size) * steps, size)
+            # the worst batch once per step the trial runs (Prober.time raises its steps_per_trial while it runs)
+            prober.arrange = lambda loader: with_index_order(
+                loader, buckets.worst(reference, size) * prober.steps_per_trial, size
+            )
             self.current_bucket = reference
             try:
-                fits, seconds = prober.time(size)
+                fits, seconds = prober.time(size, timed_steps)
             finally:
                 self.current_bucket = None
             trials.append(BucketTrial(reference, size, fits, None))

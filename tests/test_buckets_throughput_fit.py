@@ -29,7 +29,7 @@ from tests.varlen import StepPeaks
 
 BUDGET = parse_byte_size(bucket_data.BUDGET)
 N = 400
-TOL = 0.03
+TOL = 0.03  # as tests/test_throughput_fit.py: the default tolerance (0.02) and the ladder between timed sizes
 TIMES = PaddedStepTime(knee=1024)
 
 
