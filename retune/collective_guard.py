@@ -37,13 +37,17 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+funcol: ModuleType | None
 try:  # DTensor's collectives (torch >= 2.2); absent from some builds
-    import torch.distributed._functional_collectives as funcol
+    import torch.distributed._functional_collectives as _funcol
+
+    funcol = _funcol
 except ImportError:  # pragma: no cover - every supported torch has it
     funcol = None
 
