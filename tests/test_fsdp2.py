@@ -149,7 +149,8 @@ def test_fts_phase_transitions_under_fsdp2_search_after_fts_thawed_the_phase(run
     """finetuning-scheduler's ModelParallelStrategyAdapter drives the epoch-driven phases of
     tests/fts/epoch_driven.yaml on the FSDP2-sharded model (``fully_shard`` in ``configure_model``, no
     ``fsdp_plan`` needed); the schedule's triggers are fit_start + fts_phase. The oracle raises the real
-    ``torch.OutOfMemoryError`` above each phase's true maximum on every rank."""
+    ``torch.OutOfMemoryError`` above each phase's true maximum on every rank. The finder is listed before
+    FTS, the adversarial order (its epoch-start search must still run after FTS's transition)."""
     rank0, rank1 = _ranks(runs["fts"])
     assert _decisions(rank0) == _decisions(rank1)
     for rank in (rank0, rank1):
@@ -166,6 +167,8 @@ def test_fts_phase_transitions_under_fsdp2_search_after_fts_thawed_the_phase(run
     assert trainable[0] == trainable[1] < trainable[2] == trainable[3] < trainable[4]
     for event in rank0["history"]:
         limit = true_max[event["epoch"]]
+        # the probes ran on the phase FTS had just thawed: the largest size that fit is its true maximum
+        assert (event["max_fitting"], event["min_failing"]) == (limit, limit + 1)
         assert 0.9 * limit <= event["batch_size_after"] <= limit, (event["epoch"], event["batch_size_after"], limit)
     sizes = [e["batch_size_after"] for e in rank0["history"]]
     assert sizes[0] > sizes[1] > sizes[2], "the size drops as more parameters train"
@@ -177,6 +180,8 @@ def test_fts_phase_transitions_under_fsdp2_search_after_fts_thawed_the_phase(run
         expected += ([size] * (2048 // size) + ([2048 % size] if 2048 % size else []))[:4]
     assert rank0["batch_sizes_seen"] == rank1["batch_sizes_seen"] == expected
     assert rank0["global_step"] == rank1["global_step"] == len(expected)
+    # FTS's own step count (on_before_zero_grad, a loop hook probes never reach) agrees with Lightning's
+    assert rank0["fts_global_steps"] == rank1["fts_global_steps"] == len(expected)
 
 
 def test_test_and_predict_sizes_are_searched_agreed_and_used_under_fsdp2(runs: dict[str, Any]) -> None:

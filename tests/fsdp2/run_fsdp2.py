@@ -278,6 +278,7 @@ def main() -> None:
         report=finder.report_paths is not None,
         epoch_trainable=model.epoch_trainable,
         fts_depth=None if fts is None else fts.curr_depth,
+        fts_global_steps=None if fts is None else fts._fts_state._ft_global_steps,
         eval_seen=model.eval_seen,
         eval_capacity=model.eval_capacity,
         grad_types=sorted(model.grad_types),
