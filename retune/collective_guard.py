@@ -37,17 +37,14 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-funcol: ModuleType | None
+funcol: Any
 try:  # DTensor's collectives (torch >= 2.2); absent from some builds
-    import torch.distributed._functional_collectives as _funcol
-
-    funcol = _funcol
+    import torch.distributed._functional_collectives as funcol
 except ImportError:  # pragma: no cover - every supported torch has it
     funcol = None
 

@@ -135,17 +135,22 @@ class Prober:
         """Run one trial at ``size``; False when it runs out of memory or exceeds the budget."""
         return self.measure(size)[0]
 
-    def time(self, size: int) -> tuple[bool, list[float]]:
+    def time(self, size: int, steps: int | None = None) -> tuple[bool, list[float]]:
         """Run one trial at ``size`` for its timings alone: ``(fits, steady step seconds)``.
 
         For sizes already known to fit (below the largest that fit), so no budget applies. On a CPU the
         memory tracker slows every operator and would distort the timings, so it is left off here.
+        ``steps`` (at least ``steps_per_trial``) runs more steps in this trial: a median of more steps
+        is what separates sizes whose rates differ by a few percent.
         """
         self._untracked = True
+        planned = self.steps_per_trial
+        self.steps_per_trial = max(planned, steps or planned)
         try:
             ok, _ = self.measure(size)
         finally:
             self._untracked = False
+            self.steps_per_trial = planned
         return ok, steady(self.step_times[-1])
 
     def measure(self, size: int) -> tuple[bool, int | None]:

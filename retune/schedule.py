@@ -114,7 +114,7 @@ class SearchConfig(_Config):
         "most samples per second, timed on the probes' steps after the first of each trial.",
     )
     throughput_tolerance: StrictFloat = Field(
-        0.03,
+        0.02,
         ge=0.0,
         lt=1.0,
         allow_inf_nan=False,

@@ -38,7 +38,7 @@ from retune.search import (
     run_search,
 )
 from retune.step_timer import Clock
-from retune.throughput import ThroughputPlan, choose_fastest, timed_sizes, trial_rates, with_choice
+from retune.throughput import ThroughputPlan, choose_fastest, selection_steps, timed_sizes, trial_rates, with_choice
 
 Say = Callable[..., None]
 """``say(message, warn=False)``: the callback's rank-zero printer."""
@@ -179,7 +179,7 @@ def search_stage(
         on_trial=on_trial,
         stage=stage,
         track_memory=shown_mode in ("model", "buckets") or device.type == "cuda",
-        arrange=lambda loader: probe_batches.arrange(loader, stage, config.steps_per_trial),
+        arrange=lambda loader: probe_batches.arrange(loader, stage, prober.steps_per_trial),
         time_steps=config.objective == "throughput",
         clock=clock,
     )
@@ -327,10 +327,11 @@ def fastest_that_fits(prober: Prober, result: SearchResult, schedule: RetuneSche
     config = schedule.search
     assert result.size is not None
     start = last if config.warm_start else None
+    steps = selection_steps(config.steps_per_trial)
     choice = choose_fastest(
         ThroughputPlan(cap=result.size, tolerance=config.throughput_tolerance, start=start),
         timed_sizes(result.trials, prober.step_times),
-        prober.time,
+        lambda size: prober.time(size, steps),
     )
     return with_choice(result, choice)
 

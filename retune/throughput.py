@@ -7,9 +7,10 @@ runs real steps at many sizes; timing them costs nothing. This module picks, amo
 fit, the one with the most samples per second, adding the few trials it needs to see the curve turn.
 
 Measurement: a trial's steps are timed one by one; its **first step is warm-up** (optimizer state is
-allocated, caches and allocator pools fill) and never counts. A size's rate is ``size / median`` of
-all the steady steps timed at that size, pooled over its trials, so one slow step (another process
-took the core) moves nothing.
+allocated, caches and allocator pools fill) and never counts. The trials the selection adds run at
+least :data:`SELECTION_STEPS` steps (4 timed), more than the fit search's. A size's rate is
+``size / median`` of all the steady steps timed at that size, pooled over its trials, so one slow
+step (another process took the core) moves nothing.
 
 Strategy, over sizes at most ``cap`` (what ``largest`` would apply, margin included):
 
@@ -23,7 +24,9 @@ Strategy, over sizes at most ``cap`` (what ``largest`` would apply, margin inclu
    of two on its way up, so a cold search usually needs no rung of its own).
 3. **Refine** between the fastest size and its measured neighbours at their geometric midpoints,
    twice (the second round around the fastest size after the first), so the size lands within
-   about 10% of the best on the ladder between doublings.
+   about 10% of the best on the ladder between doublings. A re-tune whose start (the previous
+   choice) is still faster than both its rungs was refined there last time: its second round runs
+   only when the first found a faster midpoint.
 4. **Repeat a near tie**: when the chosen size and the runner-up are within twice the tolerance,
    both are timed once more and their steps pooled.
 5. **Choose** the smallest size whose rate is within ``tolerance`` of the fastest: ties go to the
@@ -55,11 +58,21 @@ from retune.search import SearchResult
 
 EXTRA_TRIALS = 10
 """Most trials the throughput selection adds to a search (the search for what fits has ``max_trials``)."""
+SELECTION_STEPS = 5
+"""Steps each selection trial runs at least (1 warm-up + 4 timed). The search for what fits times
+``steps_per_trial - 1`` steps per trial (2 by default), enough to tell a doubling apart; telling
+neighbouring sizes apart on a flat curve takes more: a median of 4 steps halves the spread of a
+median of 2 on a machine whose steps wobble by several percent."""
 REUSE_FACTOR = 1.5
 """A timed size within this factor of a ladder rung's target stands in for it (no new trial)."""
 
 TimeTrial = Callable[[int], tuple[bool, Sequence[float]]]
 """``time_trial(size) -> (fits, steady step seconds)``: one more trial at ``size``."""
+
+
+def selection_steps(steps_per_trial: int) -> int:
+    """Steps of one selection trial: ``steps_per_trial``, raised to :data:`SELECTION_STEPS`."""
+    return max(steps_per_trial, SELECTION_STEPS)
 
 
 def steady(step_seconds: Sequence[float] | None) -> list[float]:
@@ -138,7 +151,10 @@ class _Selection:
             climbed = self._climb(start)
             if not climbed:
                 self._descend(start)
-            self._refine()
+            # a re-tune whose start is still the fastest was refined there last time: one round of
+            # midpoints checks that nothing moved between the rungs; a second only if something did
+            settled = self.plan.start is not None and self._fastest() == start
+            self._refine(settled=settled)
             self._repeat_near_tie()
         rates = self._rates()
         self.result.rates = rates
@@ -173,9 +189,13 @@ class _Selection:
             else:
                 break
 
-    def _refine(self) -> None:
-        for _ in range(2):
+    def _refine(self, *, settled: bool = False) -> None:
+        """Two rounds of midpoints; after a settled re-tune's first round, a second only if the fastest moved."""
+        first = self._fastest()
+        for round_no in range(2):
             best = self._fastest()
+            if round_no == 1 and settled and best == first:
+                return
             timed = sorted(self.seconds)
             below = [s for s in timed if s < best]
             above = [s for s in timed if s > best]
@@ -313,8 +333,10 @@ __all__ = [
     "ThroughputPlan",
     "ThroughputResult",
     "choose",
+    "SELECTION_STEPS",
     "choose_fastest",
     "samples_per_second",
+    "selection_steps",
     "steady",
     "timed_sizes",
     "trial_rates",

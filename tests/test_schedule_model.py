@@ -73,7 +73,7 @@ def test_defaults_are_filled_in() -> None:
             "max_val": 8192,
             "warm_start": True,
             "objective": "largest",
-            "throughput_tolerance": 0.03,
+            "throughput_tolerance": 0.02,
             "probe_samples": "first",
             "sample_size": None,
             "scan_limit": None,

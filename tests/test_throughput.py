@@ -150,6 +150,19 @@ def test_a_re_tune_starts_at_the_previous_choice() -> None:
     assert calls[:3] == [45, 90, 22]  # up once (not faster), then down once (slower): the curve turned
 
 
+def test_a_re_tune_whose_start_is_still_the_fastest_refines_once() -> None:
+    step = knee(48)
+    calls: list[int] = []
+    choice = choose_fastest(ThroughputPlan(cap=1000, tolerance=TOL, start=48), {}, oracle(step, calls=calls))
+    assert calls == [48, 96, 24, 34, 68] and choice.size == 48  # nothing moved: one round of midpoints
+    # the curve moved between the rungs (30 is faster than 15 and 60, but 48 is the fastest): the first
+    # round finds 42, the second refines around it
+    moved: list[int] = []
+    choice = choose_fastest(ThroughputPlan(cap=1000, tolerance=TOL, start=30), {}, oracle(step, calls=moved))
+    assert moved[:5] == [30, 60, 15, 21, 42] and len(moved) > 5
+    assert choice.size / step(choice.size) >= (1 - TOL) * best_rate(step, 1000)
+
+
 def test_a_start_above_the_cap_is_clamped() -> None:
     step = knee(300)
     calls: list[int] = []

@@ -111,6 +111,28 @@ def test_more_steps_per_trial_time_more_steps() -> None:
     assert _rate(times, event) >= (1 - TOL) * times.best_rate(event.largest or 0)
 
 
+def test_selection_trials_time_four_steps_the_fit_search_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    from retune.probe import Prober
+
+    timed: list[int] = []
+    original = Prober.time
+
+    def spy(self: Prober, size: int, steps: int | None = None) -> tuple[bool, list[float]]:
+        ok, seconds = original(self, size, steps)
+        timed.append(len(seconds))
+        return ok, seconds
+
+    monkeypatch.setattr(Prober, "time", spy)
+    times = StepTimeOracle(knee=48)
+    finder, _, _ = _fit(_schedule(), times)
+    (event,) = finder.history
+    assert timed and set(timed) == {4}, timed  # 1 warm-up + 4 timed steps in every selection trial
+    selection = len(timed)
+    search = [r for r in event.samples_per_s[: len(event.trials) - selection] if r is not None]
+    assert search, "the fit search's trials are timed too (2 steady steps each, by default)"
+    assert _rate(times, event) >= (1 - TOL) * times.best_rate(event.largest or 0)
+
+
 def test_re_tune_after_an_unfreeze_re_measures() -> None:
     # unfrozen, each sample costs 3x and the knee moves to 12: the old choice is now too large to be fastest
     times = StepTimeOracle(knee=48, knee_unfrozen=12, unfrozen_cost=2.0)
