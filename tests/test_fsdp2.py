@@ -24,7 +24,9 @@ if LEGACY or not hasattr(pl.strategies, "ModelParallelStrategy"):
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "fsdp2" / "run_fsdp2.py"
 TIMEOUT_S = 240  # below the suite's per-test timeout, so a hang fails the tests with the runs' output
-SCENARIOS = ("forward", "backward", "unfreeze", "features", "error")
+# all run at once in the module's fixture (one batch of 2-rank subprocesses)
+SCENARIOS = ("forward", "backward", "unfreeze", "features", "error", "fts", "stages", "clip")
+FTS_TRANSITIONS = [2, 4]  # tests/fts/epoch_driven.yaml: phase 1 at epoch 2, phase 2 at epoch 4
 
 
 def _collect(results: dict[str, tuple[int | None, str, Path]]) -> dict[str, Any]:
@@ -141,6 +143,95 @@ def test_a_snapshot_copies_this_ranks_shards_only(runs: dict[str, Any]) -> None:
         shard = rank["whole_state_bytes"] / 2 + rank["buffer_bytes"]
         assert rank["snapshot_bytes"] <= 1.1 * shard
         assert rank["snapshot_bytes"] < 0.6 * rank["whole_state_bytes"]
+
+
+def test_fts_phase_transitions_under_fsdp2_search_after_fts_thawed_the_phase(runs: dict[str, Any]) -> None:
+    """finetuning-scheduler's ModelParallelStrategyAdapter drives the epoch-driven phases of
+    tests/fts/epoch_driven.yaml on the FSDP2-sharded model (``fully_shard`` in ``configure_model``, no
+    ``fsdp_plan`` needed); the schedule's triggers are fit_start + fts_phase. The oracle raises the real
+    ``torch.OutOfMemoryError`` above each phase's true maximum on every rank. The finder is listed before
+    FTS, the adversarial order (its epoch-start search must still run after FTS's transition)."""
+    rank0, rank1 = _ranks(runs["fts"])
+    assert _decisions(rank0) == _decisions(rank1)
+    for rank in (rank0, rank1):
+        assert rank["fts_depth"] == 2, "FTS reached its last phase"
+        assert [(e["trigger"], e["epoch"]) for e in rank["history"]] == [
+            ("fit_start", 0),
+            *(("fts_phase", epoch) for epoch in FTS_TRANSITIONS),
+        ]
+        assert [e["direction"] for e in rank["history"]] == ["cold", "down", "down"]
+        assert rank["sharded"] == ["DTensor"] * len(rank["sharded"]), "FTS thawed FSDP2's shards in place"
+        assert len(rank["lr"]) == 3, "each phase's parameters joined the optimizer as a param group"
+    # each phase thaws more (FTS's thaw is what the epoch trains, and what the search saw)
+    trainable, true_max = rank0["epoch_trainable"], rank0["epoch_true_max"]
+    assert trainable[0] == trainable[1] < trainable[2] == trainable[3] < trainable[4]
+    for event in rank0["history"]:
+        limit = true_max[event["epoch"]]
+        # the probes ran on the phase FTS had just thawed: the largest size that fit is its true maximum
+        assert (event["max_fitting"], event["min_failing"]) == (limit, limit + 1)
+        assert 0.9 * limit <= event["batch_size_after"] <= limit, (event["epoch"], event["batch_size_after"], limit)
+    sizes = [e["batch_size_after"] for e in rank0["history"]]
+    assert sizes[0] > sizes[1] > sizes[2], "the size drops as more parameters train"
+    # every epoch, each transition's included, trained at its phase's size: 2048 samples per rank,
+    # at most 4 batches an epoch (limit_train_batches)
+    expected: list[int] = []
+    for epoch in range(5):
+        size = sizes[sum(1 for t in FTS_TRANSITIONS if t <= epoch)]
+        expected += ([size] * (2048 // size) + ([2048 % size] if 2048 % size else []))[:4]
+    assert rank0["batch_sizes_seen"] == rank1["batch_sizes_seen"] == expected
+    assert rank0["global_step"] == rank1["global_step"] == len(expected)
+    # FTS's own step count (on_before_zero_grad, a loop hook probes never reach) agrees with Lightning's
+    assert rank0["fts_global_steps"] == rank1["fts_global_steps"] == len(expected)
+
+
+def test_test_and_predict_sizes_are_searched_agreed_and_used_under_fsdp2(runs: dict[str, Any]) -> None:
+    """After fit, ``trainer.test`` and ``trainer.predict`` search their own sizes (``stages``). Rank 1 has
+    less memory for evaluation: its oracle raises the real ``torch.OutOfMemoryError`` in the middle of
+    its eval forward, between two sharded layers, where rank 0 waits for the next all-gather."""
+    rank0, rank1 = _ranks(runs["stages"])
+    assert _decisions(rank0) == _decisions(rank1)
+    assert [(e["stage"], e["trigger"]) for e in rank0["history"]] == [
+        ("train", "fit_start"),
+        ("test", "test_start"),
+        ("predict", "predict_start"),
+    ]
+    limit = rank1["eval_capacity"]
+    assert rank0["eval_capacity"] > limit, "rank 0 fits larger evaluation batches than rank 1"
+    for stage in ("test", "predict"):
+        event = next(e for e in rank0["history"] if e["stage"] == stage)
+        assert any(size > limit and not fits for size, fits in event["trials"]), "a size only rank 0 fits must fail"
+        found = rank0["batch_sizes"][stage]
+        assert found == rank1["batch_sizes"][stage] == event["batch_size_after"]
+        assert 0.9 * limit <= found <= limit
+        for rank in (rank0, rank1):  # the stage then ran at the found size: 1024 samples per rank
+            seen = rank["eval_seen"][stage]
+            assert max(seen) == found and sum(seen) == 1024 and len(seen) == -(-1024 // found)
+    assert rank0["test_results"] and "test_loss" in rank0["test_results"][0]
+    assert rank0["predictions"] == rank1["predictions"] == 1024
+    train = rank0["history"][0]
+    assert 0.9 * rank0["epoch_true_max"][0] <= train["batch_size_after"] <= rank0["epoch_true_max"][0]
+    assert rank0["global_step"] == rank1["global_step"] == 4
+
+
+def test_gradient_clipping_in_a_probe_with_one_rank_out_of_memory_before_the_clip(runs: dict[str, Any]) -> None:
+    """``gradient_clip_val=1.0``: Lightning clips with ``clip_grad_norm_`` over FSDP2's DTensor gradients,
+    whose total norm is a DTensor all-reduce. Rank 1's oracle raises the real ``torch.OutOfMemoryError``
+    in ``on_before_optimizer_step`` (after backward, just before that all-reduce) above its capacity.
+    Without the guard on DTensor's functional collectives, rank 0's clip all-reduce is matched with
+    rank 1's failure report, and the ranks' next collectives no longer match (on gloo: a collective
+    mismatch that aborts rank 1 and resets rank 0's connection)."""
+    rank0, rank1 = _ranks(runs["clip"])
+    assert rank0["gradient_clip_val"] == 1.0
+    assert rank0["grad_types"] == rank1["grad_types"] == ["DTensor"], "the gradients clipped were FSDP2's shards"
+    limit = rank1["rank_true_max"]
+    assert rank0["rank_true_max"] > 512
+    assert _decisions(rank0) == _decisions(rank1)
+    assert rank0["batch_size"] == rank1["batch_size"] == rank0["model_batch_size"] == rank1["model_batch_size"]
+    assert 0.9 * limit <= rank0["batch_size"] <= limit
+    (trials,) = [e["trials"] for e in rank0["history"]]
+    assert any(size > limit and not fits for size, fits in trials), "a size only rank 0 fits must fail"
+    assert rank0["global_step"] == rank1["global_step"] == 8  # training went on, clipped, at the agreed size
+    assert set(rank0["batch_sizes_seen"]) == {rank0["batch_size"]}
 
 
 def test_a_non_memory_error_on_one_rank_mid_forward_ends_every_rank_with_the_error(runs: dict[str, Any]) -> None:

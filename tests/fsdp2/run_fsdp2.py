@@ -15,6 +15,14 @@ Scenarios (argv[1]):
              with param_groups_changed, an epoch milestone,
              keep_effective + linear lr scaling, a CSV logger (the report)
   error      rank 1 raises a ValueError in the middle of a probe's forward: every rank ends with an error
+  fts        finetuning-scheduler's epoch-driven phases (tests/fts/epoch_driven.yaml, through its
+             ModelParallelStrategyAdapter) thaw the sharded model; the schedule is fit_start + fts_phase
+  stages     fit, then trainer.test and trainer.predict with `stages: [train, test, predict]`; rank 1
+             has less memory for evaluation: the oracle raises torch.OutOfMemoryError in the middle of
+             its eval forward (between two sharded layers) above EVAL_CAPACITY[1]
+  clip       gradient_clip_val=1.0 (clip_grad_norm_ over DTensor gradients: a DTensor all-reduce of the
+             norm); rank 1's oracle raises torch.OutOfMemoryError in on_before_optimizer_step, after
+             backward and just before the clip's all-reduce
 """
 
 from __future__ import annotations
@@ -35,13 +43,17 @@ from torch.utils.data import DataLoader
 
 from retune import ScheduledBatchSizeFinder
 from retune.local_shards import local
+from retune.sharded import fsdp_modules
 from retune.snapshot import TrainingSnapshot
 from tests.lightning_ns import callbacks, pl
 from tests.oom_oracle import FailInBackward
-from tests.oracle import FineTuneModel, MemoryOracle
+from tests.oracle import FineTuneModel, MemoryOracle, make_data
 
 RANK1_CAPACITY = 1_500_000
 UNLIMITED = MemoryOracle(capacity=10**12)
+EVAL_CAPACITY = {0: 400, 1: 300}  # the largest evaluation batch each rank fits ("stages")
+EVAL_SAMPLES = 2048  # the test and predict dataset: 1024 samples per rank, more than either rank fits
+FTS_SCHEDULE = Path(__file__).resolve().parents[1] / "fts" / "epoch_driven.yaml"
 
 
 def _strategy() -> Any:
@@ -56,14 +68,27 @@ class ShardedModel(FineTuneModel):
         self.scenario = scenario
         self.sizes = sizes
         self.val_batch_size = 64
-        self.where = {"forward": "forward", "backward": "backward", "error": "error"}.get(scenario, "start")
+        self.where = {"forward": "forward", "backward": "backward", "error": "error", "clip": "clip"}.get(
+            scenario, "start"
+        )
         self.rank_oracle = UNLIMITED
+        self.eval_capacity: int | None = None
+        self.eval_data = make_data(EVAL_SAMPLES, seed=1)
+        self.test_batch_size = self.predict_batch_size = 8
+        self.eval_seen: dict[str, list[int]] = {"test": [], "predict": []}
+        self.epoch_trainable: list[int] = []
+        self.grad_types: set[str] = set()
+        self._step_batch = 0
 
     def setup(self, stage: str) -> None:
-        if self.global_rank == 1 and self.scenario in ("forward", "backward"):
+        if self.global_rank == 1 and self.scenario in ("forward", "backward", "clip"):
             self.rank_oracle = MemoryOracle(capacity=RANK1_CAPACITY)
+        if self.scenario == "stages":
+            self.eval_capacity = EVAL_CAPACITY[self.global_rank]
 
     def configure_model(self) -> None:
+        if fsdp_modules(self):  # Lightning calls it again for test and predict: shard once
+            return
         mesh = self.device_mesh["data_parallel"]
         for layer in (self.backbone[0], self.backbone[3], self.head):
             fully_shard(layer, mesh=mesh)
@@ -77,6 +102,9 @@ class ShardedModel(FineTuneModel):
         h = self.backbone[:3](x)  # the first sharded Linear, BatchNorm, ReLU
         if self.where == "forward":
             self.rank_oracle.check(batch, self)  # rank 0 is now waiting for the next all-gather
+        if self.eval_capacity is not None and not self.training and batch > self.eval_capacity:
+            rank, capacity = self.global_rank, self.eval_capacity
+            raise torch.OutOfMemoryError(f"CUDA out of memory (oracle, rank {rank} eval forward: {batch} > {capacity})")
         if self.where == "error" and self.global_rank == 1 and batch >= 64:
             raise ValueError("boom on rank 1")
         h = self.backbone[3:](h)
@@ -97,11 +125,41 @@ class ShardedModel(FineTuneModel):
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         x, y = batch
+        self._step_batch = x.shape[0]
         if self.where == "start":
             self.oracle.check(x.shape[0], self)
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, on_step=True, on_epoch=True)
         return loss
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Backward is over (gradients reduce-scattered); Lightning clips next, with a DTensor all-reduce."""
+        self.grad_types.update(type(p.grad).__name__ for p in self.parameters() if p.grad is not None)
+        if self.where == "clip":
+            self.rank_oracle.check(self._step_batch, self)
+
+    def on_train_epoch_start(self) -> None:
+        super().on_train_epoch_start()
+        self.epoch_trainable.append(sum(p.numel() for p in self.parameters() if p.requires_grad))
+
+    def test_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+        x, y = batch
+        self.log("test_loss", F.cross_entropy(self(x), y))
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):  # type: ignore[no-untyped-def]
+        return self(batch[0]).argmax(1)
+
+    def on_test_batch_start(self, batch, batch_idx, dataloader_idx=0):  # type: ignore[no-untyped-def]
+        self.eval_seen["test"].append(int(batch[0].shape[0]))
+
+    def on_predict_batch_start(self, batch, batch_idx, dataloader_idx=0):  # type: ignore[no-untyped-def]
+        self.eval_seen["predict"].append(int(batch[0].shape[0]))
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.eval_data, batch_size=self.test_batch_size)
+
+    def predict_dataloader(self) -> DataLoader:
+        return DataLoader(self.eval_data, batch_size=self.predict_batch_size)
 
     def train_dataloader(self) -> DataLoader:
         size = self.batch_size if self.sizes is None else self.sizes[self.trainer.current_epoch]
@@ -122,6 +180,13 @@ def schedule_for(scenario: str) -> Any:
             "stages": ["train", "val"],
             "triggers": [{"kind": "fit_start"}, {"kind": "param_groups_changed"}, {"kind": "epoch", "at": [2]}],
         }
+    if scenario == "fts":
+        # one probe step per trial: the oracle's verdict does not depend on the number of steps
+        search: dict[str, Any] = {"steps_per_trial": 1, "max_val": 4096}
+        return {"search": search, "triggers": [{"kind": "fit_start"}, {"kind": "fts_phase"}]}
+    if scenario == "stages":
+        search = {"steps_per_trial": 1, "margin": 0.0, "max_val": 4096}
+        return {"search": search, "stages": ["train", "test", "predict"], "triggers": [{"kind": "fit_start"}]}
     return {"search": {"max_val": 512}, "triggers": [{"kind": "fit_start"}]}
 
 
@@ -154,7 +219,8 @@ def main() -> None:
         scenario,
         sizes=sizes,
         batch_size=8,
-        n=512,
+        # fts: 2048 samples per rank, more than the frozen phase fits, so every phase's maximum is the oracle's
+        n=4096 if scenario == "fts" else 512,
         head_only_optimizer=unfreeze,
         optimizer="adamw" if scenario in ("unfreeze", "reference") else "sgd",
         oracle=MemoryOracle() if scenario != "features" else UNLIMITED,
@@ -163,23 +229,34 @@ def main() -> None:
     cbs: list[Any] = [] if scenario == "reference" else [finder]
     if unfreeze:
         cbs.append(callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1))
+    fts = None
+    if scenario == "fts":
+        from finetuning_scheduler import FinetuningScheduler, FTSCheckpoint
+
+        fts = FinetuningScheduler(ft_schedule=str(FTS_SCHEDULE), epoch_transitions_only=True, restore_best=False)
+        cbs += [fts, FTSCheckpoint(monitor="val_loss", save_top_k=1)]  # FTS wants one, restore_best or not
     trainer = pl.Trainer(
         strategy=_strategy(),
         accelerator="cpu",
         devices=2,
-        max_epochs=3 if unfreeze else 2,
+        max_epochs={"fts": 5, "stages": 1}.get(scenario, 3 if unfreeze else 2),
         callbacks=cbs,
         logger=pl.loggers.CSVLogger(str(out), name="logs") if scenario == "features" else False,
-        enable_checkpointing=False,
+        enable_checkpointing=scenario == "fts",
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_train_batches=4,
         limit_val_batches=2 if scenario == "features" else 0,
         reload_dataloaders_every_n_epochs=1 if scenario == "reference" else 0,
+        gradient_clip_val=1.0 if scenario == "clip" else None,
+        default_root_dir=str(out),
     )
     result: dict[str, Any] = {}
     try:
         trainer.fit(model)
+        if scenario == "stages":
+            result["test_results"] = trainer.test(model, verbose=False)
+            result["predictions"] = sum(len(batch) for batch in trainer.predict(model) or [])
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()[-3000:]
@@ -199,6 +276,13 @@ def main() -> None:
         shards=[local(p).detach().reshape(-1).tolist() for p in model.parameters()],
         sharded=[type(p).__name__ for p in model.parameters()],
         report=finder.report_paths is not None,
+        epoch_trainable=model.epoch_trainable,
+        fts_depth=None if fts is None else fts.curr_depth,
+        fts_global_steps=None if fts is None else fts._fts_state._ft_global_steps,
+        eval_seen=model.eval_seen,
+        eval_capacity=model.eval_capacity,
+        grad_types=sorted(model.grad_types),
+        gradient_clip_val=trainer.gradient_clip_val,
         **_snapshot_cost(model, trainer),
     )
     out.mkdir(parents=True, exist_ok=True)
