@@ -112,6 +112,7 @@ def worker(rank: int, port: int, out: str) -> None:
             }
         )
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()  # both ranks done with every group before either tears down
     dist.destroy_process_group()
 
 
