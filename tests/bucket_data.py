@@ -18,8 +18,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from tests.lightning_ns import PRECISION_32, pl
+from tests.varlen import TokenDataset, token_count
+from tests.varlen import pad_collate as pad_tokens
 
-VOCAB = 512
+VOCAB = 512  # the same as tests/varlen.py, whose TokenDataset draws the tokens
 BUDGET = "5MiB"
 
 
@@ -28,32 +30,21 @@ def long_tail_lengths(n: int, seed: int = 0, tail: float = 0.03) -> list[int]:
     return [r.randint(200, 256) if r.random() < tail else r.randint(8, 32) for _ in range(n)]
 
 
-class IndexedTokens(Dataset[dict[str, Any]]):
-    """``{"input_ids": LongTensor[length], "label": int, "index": int}``."""
-
-    def __init__(self, lengths: list[int], seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.rows = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
-        self.labels = torch.randint(0, 4, (len(lengths),), generator=g).tolist()
-
-    def __len__(self) -> int:
-        return len(self.rows)
+class IndexedTokens(TokenDataset):
+    """tests/varlen.py's ``TokenDataset`` with each sample's dataset index: ``{"input_ids", "label", "index"}``."""
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"input_ids": self.rows[index], "label": self.labels[index], "index": index}
+        return {**super().__getitem__(index), "index": index}
 
 
-def tokens(sample: dict[str, Any]) -> int:
-    """``sample_size``: a sample's tokens."""
-    return len(sample["input_ids"])
+tokens = token_count
+"""``sample_size``: a sample's tokens."""
 
 
 def pad_collate(samples: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    longest = max(len(s["input_ids"]) for s in samples)
-    ids = torch.zeros(len(samples), longest, dtype=torch.long)
-    for row, sample in enumerate(samples):
-        ids[row, : len(sample["input_ids"])] = sample["input_ids"]
-    return ids, torch.tensor([s["label"] for s in samples]), torch.tensor([s["index"] for s in samples])
+    """tests/varlen.py's padding collate, plus the samples' dataset indices."""
+    ids, labels = pad_tokens(samples)
+    return ids, labels, torch.tensor([s["index"] for s in samples])
 
 
 class BucketModel(pl.LightningModule):  # type: ignore[misc]
