@@ -20,6 +20,7 @@ import torch
 
 from retune import ScheduledBatchSizeFinder
 from tests import bucket_data
+from tests.ddp import ddp_trainer
 from tests.lightning_ns import pl
 from tests.varlen import StepPeaks
 
@@ -62,16 +63,9 @@ def main() -> None:
         bucket_data.schedule(), sample_size=bucket_data.tokens, verbose=False, write_report=False
     )
     peaks = StepPeaks()
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=2,
+    trainer = ddp_trainer(
         max_epochs=2,
         callbacks=[bucket_data.UnfreezeAt(1), finder, peaks, Record(out, finder, peaks)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(model)

@@ -20,6 +20,7 @@ import torch
 
 from retune import ScheduledBatchSizeFinder
 from tests import bucket_data
+from tests.ddp import ddp_trainer
 from tests.lightning_ns import pl
 from tests.step_time import FakeClock
 
@@ -59,16 +60,8 @@ def main() -> None:
     finder = ScheduledBatchSizeFinder(
         schedule, sample_size=bucket_data.tokens, verbose=False, write_report=False, clock=clock
     )
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
+    trainer = ddp_trainer(
         callbacks=[finder, Record(out, finder)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(model)

@@ -19,6 +19,7 @@ import torch
 
 from retune import ScheduledBatchSizeFinder
 from tests import varlen
+from tests.ddp import ddp_trainer
 from tests.lightning_ns import pl
 
 
@@ -46,16 +47,8 @@ def main() -> None:
     model = varlen.TokenClassifier(varlen.TokenDataset(varlen.lengths()), shuffle=True)
     finder = ScheduledBatchSizeFinder(varlen.schedule("largest"), verbose=False, write_report=False)
     peaks = varlen.StepPeaks()
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
+    trainer = ddp_trainer(
         callbacks=[finder, peaks, WriteResult(out, finder, peaks)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(model)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from retune import ScheduledLRFinder
+from tests.ddp import ddp_trainer
 from tests.lightning_ns import pl
 from tests.oracle import FineTuneModel
 
@@ -94,16 +95,9 @@ def main() -> None:
     else:
         finder = ScheduledLRFinder(SCHEDULE, verbose=False, write_report=False)
         extra.append(finder)
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=2,
+    trainer = ddp_trainer(
         max_epochs=2,
         callbacks=[*extra, WriteResult(args.out, finder)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         deterministic=True,
     )

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from retune import ScheduledBatchSizeFinder
+from tests.ddp import ddp_trainer
 from tests.lightning_ns import pl
 from tests.oom_oracle import TokenModel
 from tests.token_tasks import TokenTask
@@ -69,16 +70,8 @@ def token_main(where: str, out: Path) -> None:
     model = RankTokenTask(50 if where == "token" else None)
     trigger = {"kind": "oom", "loss_reduction": "token_mean"}
     finder = ScheduledBatchSizeFinder({"triggers": [trigger]}, verbose=False, write_report=False)
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
+    trainer = ddp_trainer(
         callbacks=[finder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
     )
     result: dict[str, Any] = {}
@@ -112,16 +105,8 @@ def main() -> None:
     capacity = {"forward": 300, "backward": 300, "none": None, "single": 2}[where]
     model = RankTokenModel(capacity, where="backward" if where == "backward" else "forward", n=128, batch_size=16)
     finder = ScheduledBatchSizeFinder({"triggers": [{"kind": "oom"}]}, verbose=False, write_report=False)
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
+    trainer = ddp_trainer(
         callbacks=[finder, watch := WatchWrapper()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         accumulate_grad_batches=accumulate,
     )

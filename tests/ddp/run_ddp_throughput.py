@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from retune import ScheduledBatchSizeFinder
+from tests.ddp import ddp_trainer
 from tests.lightning_ns import pl
 from tests.step_time import FakeClock, StepTimeOracle, TimedModel, roomy_oracle
 
@@ -48,17 +49,9 @@ def main() -> None:
     model = TimedModel(clock, TIMES[rank], batch_size=8, oracle=roomy_oracle(), head_only_optimizer=True, n=2048)
     schedule = {"search": {"objective": "throughput"}, "triggers": [{"kind": "fit_start"}]}
     finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False, clock=clock)
-    trainer = pl.Trainer(
-        strategy="ddp",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=1,
+    trainer = ddp_trainer(
         limit_train_batches=2,
         callbacks=[finder, WriteResult(out, finder)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
