@@ -403,9 +403,7 @@ def test_schedule_without_lr_find_says_which_defaults_it_uses(
     assert err.count(notice) == 1
 
 
-def test_schedule_with_lr_find_says_nothing_about_defaults(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_schedule_with_lr_find_says_nothing_about_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     finder = ScheduledLRFinder({"triggers": [{"kind": "epoch", "at": [5]}], "lr_find": {}}, write_report=False)
     _trainer(tmp_path, [finder], epochs=1).fit(_model(scheduler=None))
     assert "no lr_find section" not in capsys.readouterr().err

@@ -13,9 +13,11 @@ Scenarios:
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import hashlib
 import json
+import multiprocessing
 import os
 import sys
 import weakref
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from retune import ScheduledBatchSizeFinder
+from tests.dist_utils import leave_rank
 from tests.lightning_ns import callbacks, pl
 from tests.oracle import FineTuneModel, MemoryOracle
 
@@ -141,8 +144,12 @@ class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]
         }
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+        if multiprocessing.parent_process() is not None:
+            # a ddp_spawn rank: it never returns to this script's __main__, so it leaves at its exit
+            atexit.register(leave_rank)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    leave_rank()

@@ -21,6 +21,7 @@ import torch
 from retune import ScheduledBatchSizeFinder
 from tests import bucket_data
 from tests.ddp import ddp_trainer
+from tests.dist_utils import leave_rank
 from tests.lightning_ns import pl
 from tests.step_time import FakeClock
 
@@ -70,3 +71,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    leave_rank()

@@ -20,6 +20,7 @@ import torch
 from retune import ScheduledBatchSizeFinder
 from tests import varlen
 from tests.ddp import ddp_trainer
+from tests.dist_utils import leave_rank
 from tests.lightning_ns import pl
 
 
@@ -57,3 +58,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    leave_rank()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from retune import ScheduledLRFinder
 from tests.ddp import ddp_trainer
+from tests.dist_utils import leave_rank
 from tests.lightning_ns import pl
 from tests.oracle import FineTuneModel
 
@@ -107,3 +108,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    leave_rank()

@@ -25,6 +25,7 @@ import torch
 
 from retune import ScheduledBatchSizeFinder
 from tests.ddp import ddp_trainer
+from tests.dist_utils import leave_rank
 from tests.lightning_ns import pl
 from tests.oom_oracle import TokenModel
 from tests.token_tasks import TokenTask
@@ -135,3 +136,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    leave_rank()

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
+from tests.dist_utils import leave_rank
 from tests.lightning_ns import pl
 
 
@@ -84,3 +85,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave_rank()

@@ -45,6 +45,7 @@ from retune import ScheduledBatchSizeFinder
 from retune.local_shards import local
 from retune.sharded import fsdp_modules
 from retune.snapshot import TrainingSnapshot
+from tests.dist_utils import leave_rank
 from tests.lightning_ns import callbacks, pl
 from tests.oom_oracle import FailInBackward
 from tests.oracle import FineTuneModel, MemoryOracle, make_data
@@ -292,3 +293,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    leave_rank()

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from retune.collective_guard import CollectiveGuard, PeerFailed
+from tests.dist_utils import leave_rank
 
 FAIL_AT = [None, 0, 1, 2, 3]  # None: nobody fails; 3: rank 1 fails after the region's last collective
 KINDS = ("c10d", "dtensor")
@@ -112,15 +113,7 @@ def worker(rank: int, port: int, out: str) -> None:
             }
         )
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()  # both ranks done with every group before either tears down
-    dist.destroy_process_group()
-    # DTensor's functional collectives keep the gloo group registered in torch's C++ side; its worker
-    # threads are then destroyed by static destructors at interpreter exit, which aborts ("terminate
-    # called without an active exception") in some runs after the results are written. Nothing is
-    # left to clean up here, so leave without running them.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_rank()  # the DTensor collectives above made the exit abort often without it
 
 
 def main() -> None:
