@@ -175,7 +175,7 @@ class TrainLoaderHook:
         self._source: Any = None
 
     def install(self, trainer: Any) -> None:
-        source = _train_source(trainer)
+        source = compat.dataloader_source(trainer, "train")
         original = type(source).dataloader.__get__(source)
 
         def dataloader() -> Any:
@@ -206,21 +206,9 @@ class TrainLoaderHook:
         return {"convert": self.convert, "_paused": 0, "_source": None}  # ddp_spawn pickles the callback
 
 
-def _train_source(trainer: Any) -> Any:
-    if compat.is_legacy(trainer):
-        return trainer._data_connector._train_dataloader_source
-    return trainer.fit_loop._data_source
-
-
-def batch_index(trainer: Any) -> int:
-    """The index within the epoch of the train batch being run now (both Lightning lines)."""
-    return int(trainer.fit_loop.epoch_loop.batch_idx)
-
-
 __all__ = [
     "BucketBatchSampler",
     "TrainLoaderHook",
-    "batch_index",
     "is_shuffled",
     "loader_seed",
     "with_batch_sampler",

@@ -20,7 +20,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from retune import compat
-from retune.bucket_loader import BucketBatchSampler, TrainLoaderHook, batch_index, is_shuffled, loader_seed
+from retune.bucket_loader import BucketBatchSampler, TrainLoaderHook, is_shuffled, loader_seed
 from retune.bucket_loader import with_batch_sampler as _with_batch_sampler
 from retune.bucket_sizes import BucketMemory, BucketSearchResult, BucketTrial, Direction, search_buckets
 from retune.bucket_throughput import bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
@@ -157,7 +157,7 @@ class TrainBuckets:
         """A real step of the bucket being trained ran out of memory: remember it for that bucket's search."""
         if self.sampler is None:
             return None
-        bucket = self.sampler.bucket_at(batch_index(trainer))
+        bucket = self.sampler.bucket_at(compat.batch_index(trainer))
         if bucket is None:
             return None
         known = self.failures.get(bucket)
@@ -193,11 +193,11 @@ class TrainBuckets:
             if not candidates:
                 reason = "its sampler draws no samples"
             else:
-                problem = self.probe_batches._unindexable(dataset, candidates[0])
+                problem = self.probe_batches.unindexable(dataset, candidates[0])
                 if problem is not None:
                     reason = problem
         if reason is not None:
-            self.probe_batches._warn_once(
+            self.probe_batches.warn_once(
                 "train-buckets",
                 f"search.batching: buckets cannot group the train dataloader's samples: {reason}. Training with "
                 "one batch size for every batch (batching: fixed)",
@@ -208,7 +208,7 @@ class TrainBuckets:
             self.probe_batches.scan_seconds += scan.seconds
             say(f"scanned the sizes of {scan.scanned} train samples in {scan.seconds:.2f}s for the buckets")
         if scan.sizeless:
-            self.probe_batches._warn_once(
+            self.probe_batches.warn_once(
                 "train-buckets",
                 "search.batching: buckets found no size in the train samples (every one measured 0); pass "
                 "sample_size to say what a sample's memory grows with. Training with one batch size (batching: fixed)",

@@ -18,6 +18,7 @@ from retune import compat, hook_calls, messages, report, sharded
 from retune.attrs import duplicate_attr_message, loader_batch_size
 from retune.bucketing import BucketState, TrainBuckets
 from retune.callback_io import load_trigger_states, print_above_bar, report_dir, say, trigger_states
+from retune.compat.train_steps import install_closure_runner
 from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.events import RetuneEvent, Trial
 from retune.grad_sync import SyncedSteps
@@ -32,7 +33,6 @@ from retune.search import Direction
 from retune.split import SplitFn
 from retune.stage_search import Policies, StageState, search_stage
 from retune.step_timer import Clock
-from retune.train_steps import install_closure_runner
 from retune.triggers import OutOfMemory, TrainingView, Trigger, build_triggers, evaluate
 from retune.view import training_view
 

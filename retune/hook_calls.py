@@ -22,7 +22,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from retune import compat
+from retune.compat.namespace import import_module, is_legacy, namespace_of
 from retune.errors import RetuneError
 
 STEP_HOOKS = {"train": "training_step", "val": "validation_step", "test": "test_step", "predict": "predict_step"}
@@ -32,7 +32,7 @@ def _takes(
     trainer: Any, hook: Callable[..., Any], param: str, explicit: bool = False, min_args: int | None = None
 ) -> bool:
     """Lightning's own answer to "does this hook take ``param``", from the trainer's Lightning line."""
-    signature = compat._module(compat.namespace_of(trainer) + ".utilities.signature_utils")
+    signature = import_module(namespace_of(trainer) + ".utilities.signature_utils")
     return bool(signature.is_param_in_hook_signature(hook, param, explicit=explicit, min_args=min_args))
 
 
@@ -57,7 +57,7 @@ def step_args(
         if tbptt_steps:
             args.append(None)  # hiddens: none yet at a batch's first split
         return tuple(args)
-    if compat.is_legacy(trainer) or _takes(trainer, step, "batch_idx", min_args=2):
+    if is_legacy(trainer) or _takes(trainer, step, "batch_idx", min_args=2):
         args.append(batch_idx)
     if dataloader_idx is not None:
         args.append(dataloader_idx)
@@ -67,7 +67,7 @@ def step_args(
 def _tbptt_steps(trainer: Any, pl_module: Any) -> int:
     """1.9's truncated backpropagation through time: the loop runs ``training_step(split, batch_idx, hiddens)``
     on each ``tbptt_split_batch`` split in turn, so a probe step is the first split, as the loop's first step."""
-    if not compat.is_legacy(trainer):
+    if not is_legacy(trainer):
         return 0
     return int(getattr(pl_module, "truncated_bptt_steps", 0) or 0)
 

@@ -34,7 +34,7 @@ from torch.utils.data import (
 )
 
 from retune import messages
-from retune.combined_loaders import is_combined_loader
+from retune.compat.combined_loaders import is_combined_loader
 from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.samples import SizeCache, SizeFn, default_sample_size, preserved_rng, resolve_size_fn, size_spread
 from retune.schedule import RetuneSchedule
@@ -198,7 +198,7 @@ class ProbeBatches:
                 self._check_spread(loader, where)
             return loader
         if reason is not None:
-            self._warn_once(where, f"probe_samples: largest cannot pick the {where} dataloader's samples: {reason}")
+            self.warn_once(where, f"probe_samples: largest cannot pick the {where} dataloader's samples: {reason}")
             return loader
         dataset = loader.dataset
         candidates = candidate_indices(loader.batch_sampler.sampler, len(dataset))
@@ -206,11 +206,9 @@ class ProbeBatches:
             return loader
         scan, fresh = self.cache.find(dataset, candidates, self.size_fn, self.scan_limit), False
         if scan is None:
-            problem = self._unindexable(dataset, candidates[0])
+            problem = self.unindexable(dataset, candidates[0])
             if problem is not None:
-                self._warn_once(
-                    where, f"probe_samples: largest cannot pick the {where} dataloader's samples: {problem}"
-                )
+                self.warn_once(where, f"probe_samples: largest cannot pick the {where} dataloader's samples: {problem}")
                 return loader
             scan, fresh = self.cache.get(dataset, candidates, self.size_fn, self.scan_limit)
         if fresh:
@@ -221,7 +219,7 @@ class ProbeBatches:
                 f"({per_sample * 1e6:.0f} us per sample); largest {scan.sizes[0] if scan.sizes else 0}"
             )
         if scan.sizeless:
-            self._warn_once(
+            self.warn_once(
                 where,
                 f"probe_samples: largest found no size in the {where} samples (every one measured 0); pass "
                 "sample_size to say what a sample's memory grows with. Probing the first batches instead",
@@ -231,7 +229,7 @@ class ProbeBatches:
         chosen = scan.largest(batch_size)
         return with_index_order(loader, chosen * steps, batch_size)
 
-    def _unindexable(self, dataset: Any, first: int) -> str | None:
+    def unindexable(self, dataset: Any, first: int) -> str | None:
         """A sampler's keys are positions only if ``dataset[position]`` works; say why not otherwise."""
         try:
             with preserved_rng():
@@ -246,18 +244,19 @@ class ProbeBatches:
     def _check_spread(self, loader: Any, where: str) -> None:
         dataset = loader.dataset
         candidates = candidate_indices(loader.batch_sampler.sampler, len(dataset))
-        if not candidates or self._unindexable(dataset, candidates[0]) is not None:
+        if not candidates or self.unindexable(dataset, candidates[0]) is not None:
             return
         spread = size_spread(dataset, candidates, self.size_fn)
         if spread.wide:
-            self._warn_once(
+            self.warn_once(
                 where,
                 f"the {where} samples' sizes vary widely ({spread.count} random samples: largest {spread.largest}, "
                 f"median {spread.median:g}, {spread.ratio:.1f}x); probes on the first batches may miss the memory "
                 "of the largest ones. Set `search.probe_samples: largest` to probe on them",
             )
 
-    def _warn_once(self, where: str, message: str) -> None:
+    def warn_once(self, where: str, message: str) -> None:
+        """Say ``message`` once per fit for ``where`` (a search runs at every trigger; the reason does not change)."""
         key = f"{where}: {message}"
         if key not in self._warned:
             self._warned.add(key)

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
-from retune.combined_loaders import dataset_length, leaf_loaders
+from retune.compat.combined_loaders import dataset_length, leaf_loaders
 from tests.lightning_ns import LEGACY, NAMESPACE, pl, seed
 from tests.retune_warnings import retune_warnings
 

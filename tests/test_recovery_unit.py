@@ -199,10 +199,10 @@ def test_eval_step_joins_outputs_and_reports() -> None:
 
 
 def test_a_recovered_steps_logged_values_combine_as_the_whole_batch() -> None:
-    """``retune.train_steps``: each key once per step, weighted like the loss, with the whole batch's size."""
+    """``retune.compat.train_steps``: each key once per step, weighted like the loss, with the whole batch's size."""
     from types import SimpleNamespace
 
-    from retune.train_steps import _batch_size, _combine
+    from retune.compat.train_steps import _batch_size, _combine
 
     def meta(kind: str) -> Any:
         kinds = ("mean", "sum", "max", "min")

@@ -7,7 +7,7 @@ already a ``CombinedLoader`` in one (``max_size_cycle`` on 2.x; on 1.9 the train
 the ones training would run, in the user's mode (``max_size_cycle``, ``min_size``, ``max_size``,
 whose exhausted loaders give None). A 2.x ``CombinedLoader`` yields ``(batch, batch_idx,
 dataloader_idx)``; the training step receives only the batch. (``sequential`` is refused by
-Lightning's fit loop itself; evaluation loops run it, see ``compat.eval_dataloaders``.)
+Lightning's fit loop itself; evaluation loops run it, see ``retune.compat.data.eval_dataloaders``.)
 
 The dataset-length cap on the search needs the loaders inside such a structure:
 :func:`leaf_loaders` finds them in any nesting of dicts, lists, tuples and ``CombinedLoader`` s.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from retune import compat
+from retune.compat.namespace import import_module, is_legacy, namespace_of
 from retune.errors import RetuneError
 
 _COMBINED_MODULES = (
@@ -54,10 +54,10 @@ def as_train_loader(trainer: Any, loader: Any) -> Any:
     """What the fit loop iterates for ``loader``: the user's ``CombinedLoader``, or one wrapping ``loader``."""
     if is_combined_loader(loader):
         return loader
-    if compat.is_legacy(trainer):
-        combined = compat._module(compat.namespace_of(trainer) + ".trainer.supporters").CombinedLoader
+    if is_legacy(trainer):
+        combined = import_module(namespace_of(trainer) + ".trainer.supporters").CombinedLoader
         return combined(loader, trainer._data_connector.multiple_trainloader_mode)
-    combined = compat._module(compat.namespace_of(trainer) + ".utilities.combined_loader").CombinedLoader
+    combined = import_module(namespace_of(trainer) + ".utilities.combined_loader").CombinedLoader
     return combined(loader, "max_size_cycle")
 
 

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from retune import compat
+from retune.compat.logs import micro_batch_logging, results_owner, save_logged_metrics
+from retune.compat.loops import automatic_loop
 from retune.recovery import StepParts
 from retune.split import _rebuild_mapping, join_outputs
 
@@ -57,7 +58,7 @@ class StepLogs:
     def _current(self) -> Any:
         owner = self.owner
         if owner is None:
-            owner = self.owner = compat._results_owner(self.trainer)
+            owner = self.owner = results_owner(self.trainer)
             if owner is None:
                 return None
         results = owner._results
@@ -137,7 +138,7 @@ class StepLogs:
             self.index += 1
 
     def discard(self, micro: Any) -> AbstractContextManager[Any]:
-        return compat.micro_batch_logging(self.trainer, micro, keep=False)
+        return micro_batch_logging(self.trainer, micro, keep=False)
 
     def clear(self) -> None:
         self.records.clear()
@@ -257,7 +258,7 @@ def install_closure_runner(trainer: Any, run: Callable[[StepParts], Any]) -> Cal
     precision plugin's gradient clipping and grad scaler, progress counters) stays Lightning's.
     Patched on the loop instance only, so nothing outside this trainer changes.
     """
-    loop = compat._automatic_loop(trainer)
+    loop = automatic_loop(trainer)
     original = loop._make_closure
     logs = StepLogs(trainer)
     # one StepParts for the run, its per-step fields rewritten by each closure (closures run one at a time)
@@ -270,7 +271,7 @@ def install_closure_runner(trainer: Any, run: Callable[[StepParts], Any]) -> Cal
         with_loss=lambda result, loss: dataclasses.replace(result, closure_loss=loss),
         logs=logs,
         join=_join_results,
-        save_logs=lambda: compat.save_logged_metrics(trainer),
+        save_logs=lambda: save_logged_metrics(trainer),
         journal_logs=logs.begin,
         where=lambda: f"epoch {trainer.current_epoch}, global step {trainer.global_step}",
     )

@@ -1,0 +1,117 @@
+"""Every Lightning internal retune touches, for both supported lines, in one package.
+
+Two Lightning lines are supported: 2.x (``pytorch_lightning`` and ``lightning.pytorch``) and 1.9
+(``pytorch_lightning`` 1.9.5, which lightning-flash pins); see :mod:`retune.compat.namespace`. Nothing
+outside this package imports Lightning or reads a private trainer attribute. One module per concern:
+
+* :mod:`~retune.compat.namespace`: which Lightning a trainer comes from, and its modules;
+* :mod:`~retune.compat.batch_attr`: the batch-size attribute, through Lightning's own lookup;
+* :mod:`~retune.compat.data`: the user's dataloader hooks called at a candidate size, loaders rebuilt
+  for the epoch that starts, batches moved as the loops move them;
+* :mod:`~retune.compat.combined_loaders`: what a dataloader hook returned, iterated as the loops do;
+* :mod:`~retune.compat.loops`: which loop runs a stage, where a training batch is;
+* :mod:`~retune.compat.steps`: one real step of a stage outside the loop (a probe), hooks hidden;
+* :mod:`~retune.compat.train_steps`: the ``oom`` trigger's closure runner and ``self.log`` interceptor;
+* :mod:`~retune.compat.logs`: where ``self.log`` writes, and where retune's files go;
+* :mod:`~retune.compat.state`: trainer state a probe can change (progress, schedulers, accumulation);
+* :mod:`~retune.compat.distributed`: whether ranks must agree, and how they exchange a decision.
+
+The functions the rest of retune calls are re-exported here (``compat.request_dataloader(...)``).
+"""
+
+from __future__ import annotations
+
+from retune.compat.batch_attr import batch_attr_places, get_batch_attr, has_batch_attr, set_batch_attr
+from retune.compat.data import (
+    batch_to_device,
+    check_source,
+    dataloader_hook,
+    dataloader_source,
+    dataset_length,
+    eval_batches,
+    eval_dataloaders,
+    probe_batches,
+    reload_dataloader,
+    request_dataloader,
+)
+from retune.compat.distributed import (
+    all_gather_object,
+    broadcast_object,
+    check_strategy,
+    ddp_wrapper,
+    is_ddp,
+    is_distributed,
+    unshare_spawned_weights,
+)
+from retune.compat.logs import (
+    eval_logging,
+    journal_logged_metrics,
+    log_dir,
+    micro_batch_logging,
+    refresh_progress_bar,
+    save_logged_metrics,
+)
+from retune.compat.loops import batch_index, batch_is_accumulating, trainer_fn
+from retune.compat.namespace import callback_base_classes, import_module, is_legacy, namespace_of
+from retune.compat.state import (
+    accumulation_is_scheduled,
+    fts_phase,
+    get_accumulation,
+    grad_scaler,
+    loop_counters,
+    loop_progress,
+    lr_holders,
+    lr_schedulers,
+    set_accumulation,
+)
+from retune.compat.steps import hooks_isolated, run_step, training_step, wrap_eval_step
+
+__all__ = [
+    "accumulation_is_scheduled",
+    "all_gather_object",
+    "batch_attr_places",
+    "batch_index",
+    "batch_is_accumulating",
+    "batch_to_device",
+    "broadcast_object",
+    "callback_base_classes",
+    "check_source",
+    "check_strategy",
+    "dataloader_hook",
+    "dataloader_source",
+    "dataset_length",
+    "ddp_wrapper",
+    "eval_batches",
+    "eval_dataloaders",
+    "eval_logging",
+    "fts_phase",
+    "get_accumulation",
+    "get_batch_attr",
+    "grad_scaler",
+    "has_batch_attr",
+    "hooks_isolated",
+    "import_module",
+    "is_ddp",
+    "is_distributed",
+    "is_legacy",
+    "journal_logged_metrics",
+    "log_dir",
+    "loop_counters",
+    "loop_progress",
+    "lr_holders",
+    "lr_schedulers",
+    "micro_batch_logging",
+    "namespace_of",
+    "probe_batches",
+    "refresh_progress_bar",
+    "reload_dataloader",
+    "request_dataloader",
+    "run_step",
+    "save_logged_metrics",
+    "set_accumulation",
+    "set_batch_attr",
+    "trainer_fn",
+    "training_step",
+    "unshare_spawned_weights",
+    "wrap_eval_step",
+]

@@ -1,0 +1,158 @@
+"""Dataloaders: the user's hooks called at a candidate size, the loops' loaders rebuilt, batches moved.
+
+Internals used and why: the ``DataLoaderSource`` of each stage (2.x ``<loop>._data_source``, 1.9
+``_data_connector._<stage>_dataloader_source``), because probes need the user's dataloader *at a
+candidate size*, which only re-calling the user's hook gives; and the loops' dataloader reload (2.x
+``_combined_loader = None; setup_data()``, 1.9 ``reset_<stage>_dataloader``), because the epoch that
+is about to start must run at the new size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from itertools import islice
+from typing import Any
+
+from retune.compat import combined_loaders
+from retune.compat.loops import eval_loop, trainer_fn
+from retune.compat.namespace import import_module, is_legacy, namespace_of
+from retune.errors import RetuneError
+
+_HOOKS = {
+    "train": "train_dataloader",
+    "val": "val_dataloader",
+    "test": "test_dataloader",
+    "predict": "predict_dataloader",
+}
+_FIT_ARG = {"train": "train_dataloaders", "val": "val_dataloaders", "test": "dataloaders", "predict": "dataloaders"}
+
+
+def dataloader_hook(stage: str) -> str:
+    return _HOOKS[stage]
+
+
+def dataloader_source(trainer: Any, stage: str) -> Any:
+    """Lightning's ``DataLoaderSource`` for ``stage``: what calls the user's ``<stage>_dataloader`` hook."""
+    if is_legacy(trainer):
+        return getattr(trainer._data_connector, f"_{'train' if stage == 'train' else stage}_dataloader_source")
+    if stage == "train":
+        return trainer.fit_loop._data_source
+    return eval_loop(trainer, stage)._data_source
+
+
+def check_source(trainer: Any, stage: str) -> None:
+    """Refuse dataloaders passed straight to ``fit()``/``test()``: their batch size cannot be changed."""
+    if not dataloader_source(trainer, stage).is_module():
+        hook = _HOOKS[stage]
+        raise RetuneError(
+            f"ScheduledBatchSizeFinder needs to rebuild the {stage} dataloader at new batch sizes, so it must "
+            f"come from `{hook}()` of your LightningModule or LightningDataModule, not be passed to the trainer "
+            f"(`{_FIT_ARG[stage]}=...`)."
+        )
+
+
+def request_dataloader(trainer: Any, stage: str) -> Any:
+    """Call the user's ``<stage>_dataloader`` hook (at whatever batch size the attribute now holds)."""
+    source = dataloader_source(trainer, stage)
+    if is_legacy(trainer):
+        return source.dataloader()
+    return import_module(namespace_of(trainer) + ".trainer.connectors.data_connector")._request_dataloader(source)
+
+
+def reload_dataloader(trainer: Any, stage: str) -> None:
+    """Make the loop that is about to run ``stage`` iterate a dataloader built at the current batch size."""
+    set_epoch = import_module(namespace_of(trainer) + ".loops.fit_loop")._set_sampler_epoch
+    if is_legacy(trainer):
+        getattr(trainer, f"reset_{stage}_dataloader")(trainer.lightning_module)
+        if stage == "train":  # the loop set the epoch on the loader this one replaces (shuffle order)
+            set_epoch(trainer.train_dataloader, trainer.fit_loop.epoch_progress.current.processed)
+        return
+    if stage == "train":
+        loop = trainer.fit_loop
+        loop._combined_loader = None
+        loop.setup_data()
+        # the loop gave the loader this one replaces its epoch (a DistributedSampler's shuffle order);
+        # without it the new loader would replay epoch 0's order
+        for loader in loop._combined_loader.flattened:
+            set_epoch(loader, loop.epoch_progress.current.processed)
+        return
+    loop = eval_loop(trainer, stage)
+    loop._combined_loader = None
+    if trainer_fn(trainer) == "fit":
+        return  # validation inside fit rebuilds it when it next runs
+    loop.setup_data()  # validate/test/predict: the loop is starting now, as in Lightning's own finder
+    loop.reset()
+
+
+def batch_to_device(trainer: Any, pl_module: Any, batch: Any, dataloader_idx: int | None = None) -> Any:
+    """The same transfer the loops do: on 2.x the precision's ``convert_input`` (``16-true``, ``64-true``
+    cast the inputs), then ``on_before_batch_transfer``, then the strategy's. The hooks get the batch's
+    ``dataloader_idx`` (0 where the step does not take one, as Lightning passes them)."""
+    convert_input = getattr(trainer.precision_plugin, "convert_input", None)
+    if convert_input is not None and not is_legacy(trainer):
+        batch = convert_input(batch)
+    batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx or 0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=dataloader_idx or 0)
+
+
+def probe_batches(
+    trainer: Any, stage: str, loader: Any, steps: int
+) -> Generator[tuple[Any, int, int | None], None, None]:
+    """The batches of one trial, as the stage's loop feeds them: ``(batch, batch_idx, dataloader_idx)``.
+
+    ``dataloader_idx`` is None where the loop does not pass one to the step. Training: ``steps``
+    batches of what ``train_dataloader()`` returned, combined as the fit loop combines it
+    (``combined_loaders.train_batches``: the user's ``CombinedLoader`` in its own mode).
+    Evaluation: up to ``steps`` batches of each loader, one loader after another (``eval_batches``).
+    Close the generator to end its loaders' workers.
+    """
+    if stage != "train":
+        yield from eval_batches(trainer, stage, loader, steps)
+        return
+    batches = combined_loaders.train_batches(trainer, loader)
+    try:
+        for batch_idx in range(steps):
+            yield next(batches), batch_idx, None
+    finally:
+        batches.close()
+
+
+def eval_dataloaders(trainer: Any, loaders: Any) -> tuple[list[Any], bool]:
+    """The loaders an evaluation loop runs, in its order, and whether its step gets ``dataloader_idx``.
+
+    Lightning runs evaluation loaders one after another, never zipped. 2.x flattens what the hook
+    returned (a list, tuple, dict or a nesting of them) with a ``sequential`` ``CombinedLoader`` and
+    passes ``dataloader_idx`` to the step when there is more than one; a ``CombinedLoader`` the user
+    built in another mode is one stream of combined batches, without ``dataloader_idx``. 1.9 runs
+    the entries of a list or tuple (``None`` entries skipped), anything else as one loader, and
+    passes ``dataloader_idx`` when there is more than one.
+    """
+    if is_legacy(trainer):
+        flat = [dl for dl in loaders if dl is not None] if isinstance(loaders, (list, tuple)) else [loaders]
+        return flat, len(flat) > 1
+    combined_loader = import_module(namespace_of(trainer) + ".utilities.combined_loader").CombinedLoader
+    combined = loaders if isinstance(loaders, combined_loader) else combined_loader(loaders, "sequential")
+    if combined._mode != "sequential":
+        return [combined_loaders.Batches(combined)], False
+    flat = list(combined.flattened)
+    return flat, len(flat) > 1
+
+
+def eval_batches(
+    trainer: Any, stage: str, loaders: Any, steps: int
+) -> Generator[tuple[Any, int, int | None], None, None]:
+    """Up to ``steps`` batches of each evaluation loader in turn (an empty one is skipped, as Lightning
+    skips it); ``dataloader_idx`` where the loop would pass it to the step, else None."""
+    flat, pass_idx = eval_dataloaders(trainer, loaders)
+    produced = False
+    for dataloader_idx, loader in enumerate(flat):
+        for batch_idx, batch in enumerate(islice(loader, steps)):
+            produced = True
+            yield batch, batch_idx, dataloader_idx if pass_idx else None
+    if not produced:
+        raise RetuneError(f"the {stage} dataloaders yielded no batches, so no {stage} batch size can be probed")
+
+
+def dataset_length(loader: Any, world_size: int) -> int | None:
+    """Samples one rank sees per epoch (see ``combined_loaders.dataset_length``)."""
+    return combined_loaders.dataset_length(loader, world_size)
