@@ -63,7 +63,29 @@ def free_accelerator_memory() -> None:
         torch.cuda.empty_cache()
 
 
-class EvalStepRecovery:
+class _KeptSplit:
+    """The split a recovery keeps for the rest of the loop once a batch needed it (training and evaluation)."""
+
+    max_size: int | None  # the largest micro-batch (samples) for the rest of the loop
+    pieces: int  # the same, for micro-batches that do not tell their size (a custom split_batch)
+    on_recovered: Callable[[Recovered], None] | None
+
+    def _keep(self, micro: list[Any], sized: bool, total: int | None, failed_in: str) -> None:
+        """Remember the split that worked and report the recovery (``failed_in``: where the batch failed).
+
+        The largest micro-batch is kept where sizes are known, not the number of pieces: a later, shorter
+        batch (the epoch's last, a short length bucket) is then cut no more than it needs.
+        """
+        largest = _largest(micro)
+        if sized and largest is not None:
+            self.max_size = largest if self.max_size is None else min(self.max_size, largest)
+        else:
+            self.pieces = max(self.pieces, len(micro))
+        if failed_in and self.on_recovered is not None:
+            self.on_recovered(Recovered(total or 0, len(micro), failed_in, largest))
+
+
+class EvalStepRecovery(_KeptSplit):
     """Wraps a ``validation_step``/``test_step``/``predict_step``: an OOM re-runs the batch in micro-batches.
 
     Without gradients nothing has to be undone; the micro-batches' outputs are joined along the batch
@@ -133,13 +155,7 @@ class EvalStepRecovery:
             pieces = pieces * 2 if total is None else min(pieces * 2, total)
         if not failed_in and tried:
             failed_in = "a micro-batch"
-        largest = _largest(micro)
-        if total is not None and largest is not None:
-            self.max_size = largest if self.max_size is None else min(self.max_size, largest)
-        else:
-            self.pieces = max(self.pieces, len(micro))
-        if failed_in and self.on_recovered is not None:
-            self.on_recovered(Recovered(total or 0, len(micro), failed_in, largest))
+        self._keep(micro, total is not None, total, failed_in)
         return join_outputs(outputs, [_samples(m) for m in micro])
 
     def _run(self, micro: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
@@ -282,7 +298,7 @@ class StepParts:
         self.journal_logs = journal_logs  # starts recording what self.log changes: (rollback, stop)
 
 
-class TrainStepRecovery:
+class TrainStepRecovery(_KeptSplit):
     """Runs each training step's closure, and re-runs a step that ran out of memory in micro-batches.
 
     The split a recovery needed is kept for the rest of the epoch as a *largest micro-batch size*
@@ -514,15 +530,9 @@ class TrainStepRecovery:
         if forward_done and stats is not None:
             stats.restore()  # the micro-batches' forwards must not update them a second time
         aside.merge()
-        largest = _largest(micro)
         if not failed_in and tried:
             failed_in = "a micro-batch"  # the kept split was not enough for this batch
-        if largest is not None and size is not None:
-            self.max_size = largest if self.max_size is None else min(self.max_size, largest)
-        else:
-            self.pieces = max(self.pieces, len(micro))
-        if failed_in and self.on_recovered is not None:
-            self.on_recovered(Recovered(total or 0, len(micro), failed_in, largest))
+        self._keep(micro, size is not None, total, failed_in)
         results, loss = outcome
         result = step.join(results, [_samples_or_none(m) for m in micro]) if step.join is not None else results[-1]
         return step.with_loss(result, loss)
