@@ -9,6 +9,7 @@ its samples' dataset indices, so tests can check that each sample trains once pe
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,3 +184,21 @@ class TimedBucketModel(BucketModel):
         warm = self.times.warmup if batch_idx == 0 else 0.0  # a probe trial's first step warms up
         self.clock.advance(self.times.seconds(int(batch[0].numel()), self.unfrozen()) + warm)
         return loss
+
+
+def check_rank_steps(ranks: list[dict[str, Any]], epoch: int, n: int) -> None:
+    """Two ranks' recorded steps of ``epoch`` (tests/ddp/run_ddp_buckets.py's ``Record``) under bucketed
+    batches: the same number of batches, the same bucket at every step, every sample of the ``n`` once
+    across ranks (up to the padding of each bucket's last round), one shard per rank at each step."""
+    steps = [[s for s in r["steps"] if s["epoch"] == epoch] for r in ranks]
+    assert len(steps[0]) == len(steps[1]) > 0
+    assert [s["bucket"] for s in steps[0]] == [s["bucket"] for s in steps[1]]
+    assert all(s["bucket"] is not None for s in steps[0])
+    seen = Counter(i for rank in steps for s in rank for i in s["indices"])
+    assert set(seen) == set(range(n))
+    buckets = len(ranks[0]["history"][0]["bucket_sizes"])
+    assert sum(c - 1 for c in seen.values()) < buckets, "at most one padded sample per bucket's last round"
+    # the two ranks' samples at a step are disjoint (one shard each), but for the one sample that pads a
+    # bucket's last round when it is odd (it can be from the same round, when the bucket is that round)
+    for a, b in zip(steps[0], steps[1], strict=True):
+        assert len(set(a["indices"]) & set(b["indices"])) <= 1

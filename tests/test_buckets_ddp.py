@@ -9,7 +9,6 @@ real step of each rank stays within the budget.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -45,18 +44,7 @@ def test_ranks_agree_on_every_bucket_size_and_re_tune_after_the_unfreeze(ranks: 
 
 @pytest.mark.parametrize("epoch", [0, 1])
 def test_same_number_of_batches_same_bucket_per_step_every_sample_once(ranks: list[dict[str, Any]], epoch: int) -> None:
-    steps = [[s for s in r["steps"] if s["epoch"] == epoch] for r in ranks]
-    assert len(steps[0]) == len(steps[1]) > 0
-    assert [s["bucket"] for s in steps[0]] == [s["bucket"] for s in steps[1]]
-    assert all(s["bucket"] is not None for s in steps[0])
-    seen = Counter(i for rank in steps for s in rank for i in s["indices"])
-    assert set(seen) == set(range(N))
-    buckets = len(ranks[0]["history"][0]["bucket_sizes"])
-    assert sum(c - 1 for c in seen.values()) < buckets, "at most one padded sample per bucket's last round"
-    # the two ranks' samples at a step are disjoint (one shard each), but for the one sample that pads a
-    # bucket's last round when it is odd (it can be from the same round, when the bucket is that round)
-    for a, b in zip(steps[0], steps[1], strict=True):
-        assert len(set(a["indices"]) & set(b["indices"])) <= 1
+    bucket_data.check_rank_steps(ranks, epoch, N)
 
 
 def test_every_real_step_of_each_rank_stays_within_the_budget(ranks: list[dict[str, Any]]) -> None:
