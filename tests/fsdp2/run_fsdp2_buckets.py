@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 
 from retune import ScheduledBatchSizeFinder
 from tests import bucket_data
+from tests.ddp import ddp_trainer
 from tests.ddp.run_ddp_buckets import Record
 from tests.dist_utils import leave_rank
 from tests.lightning_ns import pl
@@ -54,16 +55,10 @@ def main() -> None:
         bucket_data.schedule(objective=objective), sample_size=bucket_data.tokens, verbose=False, write_report=False
     )
     peaks = StepPeaks()
-    trainer = pl.Trainer(
+    trainer = ddp_trainer(  # the DDP scripts' settings, under FSDP2
         strategy=pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        accelerator="cpu",
-        devices=2,
         max_epochs=2,
         callbacks=[bucket_data.UnfreezeAt(1), finder, peaks, Record(out, finder, peaks)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     trainer.fit(model)
