@@ -118,6 +118,11 @@ def main(argv: Sequence[str] | None = None) -> ScheduledBatchSizeFinder:
     if trainer.is_global_zero:
         for event in finder.history:
             print(f"epoch {event.epoch}: {event.trigger} -> batch size {event.batch_size_after} per rank")
+    # Lightning leaves the process group alive after fit; without this, gloo's worker threads are torn
+    # down at interpreter exit, which can abort ("terminate called without an active exception",
+    # pytorch/pytorch#190489) after the run has finished
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return finder
 
 

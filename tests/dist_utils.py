@@ -125,8 +125,9 @@ def leave_rank() -> NoReturn:
 
     Why: Lightning leaves the gloo group registered after ``fit``; at interpreter exit its worker threads
     are destroyed by C++ static destructors, and in some runs that aborts ("terminate called without an
-    active exception", exit code -6) after every result was written. CI failed on it once (rank 0 of
-    run_ddp_largest.py under load), and DTensor's collectives made it frequent in run_guard.py. So: a
+    active exception", exit code -6, pytorch/pytorch#190489) after every result was written. CI failed
+    on it once (rank 0 of run_ddp_largest.py under load), and DTensor's collectives made it frequent in
+    run_guard.py. So: a
     barrier that gives up instead of hanging if the other rank has died, the group destroyed while both
     ranks are alive, then ``os._exit(0)``; nothing else is left to clean up in these scripts. A rank that
     ``ddp_spawn`` started never returns to the script: it registers this with ``atexit`` instead.
