@@ -28,7 +28,6 @@ from retune.compat.data import (
     dataloader_hook,
     dataloader_source,
     dataset_length,
-    eval_batches,
     eval_dataloaders,
     probe_batches,
     reload_dataloader,
@@ -52,7 +51,7 @@ from retune.compat.logs import (
     save_logged_metrics,
 )
 from retune.compat.loops import batch_index, batch_is_accumulating, trainer_fn
-from retune.compat.namespace import callback_base_classes, import_module, is_legacy, namespace_of
+from retune.compat.namespace import callback_base_classes, is_legacy, namespace_of
 from retune.compat.state import (
     accumulation_is_scheduled,
     fts_phase,
@@ -81,7 +80,6 @@ __all__ = [
     "dataloader_source",
     "dataset_length",
     "ddp_wrapper",
-    "eval_batches",
     "eval_dataloaders",
     "eval_logging",
     "fts_phase",
@@ -90,7 +88,6 @@ __all__ = [
     "grad_scaler",
     "has_batch_attr",
     "hooks_isolated",
-    "import_module",
     "is_ddp",
     "is_distributed",
     "is_legacy",

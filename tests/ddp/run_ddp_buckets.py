@@ -55,21 +55,27 @@ class Record(pl.Callback):  # type: ignore[misc,name-defined]
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
+def run(out: Path, model: bucket_data.BucketModel, objective: str = "largest", **trainer_kwargs: Any) -> None:
+    """Fit ``model`` for two epochs (the backbone unfrozen at the second) on 2 ranks under DDP, or under
+    the strategy in ``trainer_kwargs`` (tests/fsdp2/run_fsdp2_buckets.py), recording what each rank saw."""
     torch.set_num_threads(1)
-    pl.seed_everything(0)
-    model = bucket_data.BucketModel(bucket_data.IndexedTokens(bucket_data.long_tail_lengths(401)), frozen=True)
     finder = ScheduledBatchSizeFinder(
-        bucket_data.schedule(), sample_size=bucket_data.tokens, verbose=False, write_report=False
+        bucket_data.schedule(objective=objective), sample_size=bucket_data.tokens, verbose=False, write_report=False
     )
     peaks = StepPeaks()
     trainer = ddp_trainer(
         max_epochs=2,
         callbacks=[bucket_data.UnfreezeAt(1), finder, peaks, Record(out, finder, peaks)],
         num_sanity_val_steps=0,
+        **trainer_kwargs,
     )
     trainer.fit(model)
+
+
+def main() -> None:
+    pl.seed_everything(0)
+    model = bucket_data.BucketModel(bucket_data.IndexedTokens(bucket_data.long_tail_lengths(401)), frozen=True)
+    run(Path(sys.argv[1]), model)
 
 
 if __name__ == "__main__":

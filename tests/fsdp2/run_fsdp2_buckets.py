@@ -20,13 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from retune import ScheduledBatchSizeFinder
 from tests import bucket_data
-from tests.ddp import ddp_trainer
-from tests.ddp.run_ddp_buckets import Record
+from tests.ddp.run_ddp_buckets import run
 from tests.dist_utils import leave_rank
 from tests.lightning_ns import pl
-from tests.varlen import StepPeaks
 
 
 class ShardedBucketModel(bucket_data.BucketModel):
@@ -47,21 +44,10 @@ class ShardedBucketModel(bucket_data.BucketModel):
 
 
 def main() -> None:
-    out, objective = Path(sys.argv[1]), sys.argv[2]
-    torch.set_num_threads(1)
     pl.seed_everything(0)
     model = ShardedBucketModel(bucket_data.IndexedTokens(bucket_data.long_tail_lengths(401)), frozen=True)
-    finder = ScheduledBatchSizeFinder(
-        bucket_data.schedule(objective=objective), sample_size=bucket_data.tokens, verbose=False, write_report=False
-    )
-    peaks = StepPeaks()
-    trainer = ddp_trainer(  # the DDP scripts' settings, under FSDP2
-        strategy=pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-        max_epochs=2,
-        callbacks=[bucket_data.UnfreezeAt(1), finder, peaks, Record(out, finder, peaks)],
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(model)
+    strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    run(Path(sys.argv[1]), model, objective=sys.argv[2], strategy=strategy)
 
 
 if __name__ == "__main__":
