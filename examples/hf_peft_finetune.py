@@ -33,7 +33,8 @@ from peft import LoraConfig, get_peft_model
 from torch.utils.data import DataLoader, Dataset
 from transformers import BatchEncoding, BertConfig, BertForSequenceClassification
 
-from retune import RetuneEvent, ScheduledBatchSizeFinder, load_schedule, report
+from retune import RetuneEvent, ScheduledBatchSizeFinder, load_schedule
+from retune.reports import batch_size as report
 
 SCHEDULE = Path(__file__).resolve().parent / "hf_peft_schedule.yaml"
 PAD, CLS, KEYWORD = 0, 1, 2  # special ids; words are 3 .. vocab_size - 1

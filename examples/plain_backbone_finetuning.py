@@ -31,7 +31,8 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from retune import RetuneEvent, ScheduledBatchSizeFinder, load_schedule, report
+from retune import RetuneEvent, ScheduledBatchSizeFinder, load_schedule
+from retune.reports import batch_size as report
 
 SCHEDULE = Path(__file__).resolve().parent.parent / "schedules" / "freeze_unfreeze.yaml"
 

@@ -6,10 +6,10 @@
 
 from retune.errors import RetuneError, ScheduleError
 from retune.events import RetuneEvent, Trial
-from retune.loading import load_schedule
 from retune.messages import RetuneWarning
-from retune.schedule import RetuneSchedule
-from retune.triggers import TrainingView, Trigger
+from retune.schedule.loading import load_schedule
+from retune.schedule.models import RetuneSchedule
+from retune.schedule.triggers import TrainingView, Trigger
 
 __version__ = "0.1.0"
 
@@ -34,11 +34,11 @@ def __getattr__(name: str) -> object:
     # The callback imports Lightning and the OOM check torch; keep `retune validate` and schedule
     # tooling free of those imports (seconds at start-up).
     if name == "ScheduledBatchSizeFinder":
-        from retune.callback import ScheduledBatchSizeFinder
+        from retune.callbacks.batch_size_finder import ScheduledBatchSizeFinder
 
         return ScheduledBatchSizeFinder
     if name == "ScheduledLRFinder":
-        from retune.lr_callback import ScheduledLRFinder
+        from retune.callbacks.lr_finder import ScheduledLRFinder
 
         return ScheduledLRFinder
     if name == "is_oom_error":

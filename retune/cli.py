@@ -17,8 +17,8 @@ import yaml
 
 from retune import __version__
 from retune.errors import ScheduleError
-from retune.loading import load_schedule
-from retune.schedule import RetuneSchedule
+from retune.schedule.loading import load_schedule
+from retune.schedule.models import RetuneSchedule
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -78,7 +78,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from retune import lr_report, report
+    from retune.reports import batch_size as report
+    from retune.reports import lr as lr_report
 
     path = Path(args.history)
     if _is_lr_history(path):  # ScheduledLRFinder's lr_history.json
@@ -110,7 +111,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _is_lr_history(path: Path) -> bool:
     """An ``lr_history.json`` of ScheduledLRFinder (the batch-size history has no ``kind``)."""
-    from retune.lr_report import is_lr_history
+    from retune.reports.lr import is_lr_history
 
     try:
         return is_lr_history(json.loads(path.read_text(encoding="utf-8")))

@@ -37,15 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from retune import report
-
 # Imported here, not inside run_demo: it imports every installed Lightning namespace, and a first
 # import sets that namespace's logger back to INFO, undoing _quiet_lightning.
-from retune.callback import ScheduledBatchSizeFinder
+from retune.callbacks.batch_size_finder import ScheduledBatchSizeFinder
 from retune.errors import FieldProblem, ScheduleError
 from retune.events import RetuneEvent
-from retune.loading import read_schedule_file, validate_data
-from retune.schedule import RetuneSchedule, parse_byte_size
+from retune.reports import batch_size as report
+from retune.schedule.loading import read_schedule_file, validate_data
+from retune.schedule.models import RetuneSchedule, parse_byte_size
 
 try:
     import lightning.pytorch as pl

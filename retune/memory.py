@@ -38,7 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from retune.local_shards import local
+from retune.distributed.local_shards import local
 
 
 class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]

@@ -32,9 +32,9 @@ from torch import nn
 from torch.optim import lr_scheduler as sched
 from torch.utils.data import DataLoader, TensorDataset
 
-import retune.apply
+import retune.search.policies
 from retune import RetuneError, ScheduledBatchSizeFinder, ScheduleError, load_schedule
-from retune.apply import Accumulation, accumulation_for, lr_factor, scale_learning_rates
+from retune.search.policies import Accumulation, accumulation_for, lr_factor, scale_learning_rates
 from tests.lightning_ns import LEGACY, callbacks, pl, seed
 from tests.retune_warnings import retune_warnings
 
@@ -145,7 +145,7 @@ def test_lr_factor_rejects_an_unknown_policy() -> None:
 
 
 def test_apply_module_doctests() -> None:
-    result = doctest.testmod(retune.apply, verbose=False)
+    result = doctest.testmod(retune.search.policies, verbose=False)
     assert result.attempted >= 2
     assert result.failed == 0
 

@@ -1,4 +1,4 @@
-"""The pure logic of ``objective: throughput`` with ``batching: buckets`` (retune/bucket_throughput.py), alone.
+"""The pure logic of ``objective: throughput`` with ``batching: buckets`` (retune/buckets/throughput.py), alone.
 
 The reference bucket, the cap at the fastest padded work per step, how a search's timed trials are
 attributed to a bucket, and what a resumed run keeps (``BucketState``).
@@ -11,10 +11,10 @@ import random
 
 import pytest
 
-from retune.bucket_sizes import BucketTrial
-from retune.bucket_throughput import BucketChoice, bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
-from retune.bucketing import BucketState
-from retune.throughput import ThroughputPlan, ThroughputResult, choose_fastest
+from retune.buckets.sizes import BucketTrial
+from retune.buckets.throughput import BucketChoice, bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
+from retune.buckets.train_buckets import BucketState
+from retune.search.throughput import ThroughputPlan, ThroughputResult, choose_fastest
 
 
 def test_the_reference_bucket_is_where_most_padded_work_goes() -> None:

@@ -1,4 +1,4 @@
-"""Length buckets, pure logic (retune.buckets, retune.bucket_sizes): no Lightning, no training."""
+"""Length buckets, pure logic (retune.buckets.plan, retune.buckets.sizes): no Lightning, no training."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ from collections import Counter
 
 import pytest
 
-from retune.bucket_sizes import BucketMemory, SizeModel, fit_model, search_buckets
-from retune.buckets import (
+from retune.buckets.plan import (
     Buckets,
     assign,
     choose_bounds,
@@ -18,6 +17,7 @@ from retune.buckets import (
     mean_batch,
     plan_buckets,
 )
+from retune.buckets.sizes import BucketMemory, SizeModel, fit_model, search_buckets
 
 
 def _long_tail(n: int = 2000, seed: int = 0) -> list[int]:

@@ -18,9 +18,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
 from retune import ScheduledBatchSizeFinder
-from retune.apply import accumulation_for
 from retune.events import RetuneEvent
-from retune.schedule import parse_byte_size
+from retune.schedule.models import parse_byte_size
+from retune.search.policies import accumulation_for
 from tests import bucket_data
 from tests.bucket_data import BucketModel, IndexedTokens, UnfreezeAt, long_tail_lengths, pad_collate, tokens
 from tests.lightning_ns import pl, seed

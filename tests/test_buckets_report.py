@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from retune import RetuneEvent, Trial, load_schedule, report
+from retune import RetuneEvent, Trial, load_schedule
 from retune.cli import main
 from retune.errors import ScheduleError
+from retune.reports import batch_size as report
 
 imread = pytest.importorskip("matplotlib.image", reason="the report's plot needs matplotlib, not installed").imread
 

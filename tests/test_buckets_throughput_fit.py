@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from retune import ScheduledBatchSizeFinder, report
-from retune.apply import accumulation_for
-from retune.bucket_throughput import capped_sizes, reference_bucket
+from retune import ScheduledBatchSizeFinder
+from retune.buckets.throughput import capped_sizes, reference_bucket
 from retune.cli import main
 from retune.events import RetuneEvent
-from retune.schedule import parse_byte_size
+from retune.reports import batch_size as report
+from retune.schedule.models import parse_byte_size
+from retune.search.policies import accumulation_for
 from tests import bucket_data
 from tests.bucket_data import IndexedTokens, PaddedStepTime, TimedBucketModel, UnfreezeAt, long_tail_lengths, tokens
 from tests.lightning_ns import seed

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from retune import ScheduleError, is_oom_error, load_schedule, report
+from retune import ScheduleError, is_oom_error, load_schedule
 from retune.cli import main
 from retune.demo import (
     BUILTIN_SCHEDULE,
@@ -30,6 +30,7 @@ from retune.demo import (
     resolve_schedule,
     run_demo,
 )
+from retune.reports import batch_size as report
 
 # skip guards: the demo reads sklearn's digits and the checks read its PNG (neither is in the flash stack)
 pytest.importorskip("sklearn", reason="the demo's data set is sklearn's digits; scikit-learn is not installed")

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
-from retune.attrs import duplicate_attr_message, loader_batch_size
+from retune.probing.batch_size_attr import duplicate_attr_message, loader_batch_size
 from tests.lightning_ns import pl
 from tests.oracle import FineTuneModel, make_data
 from tests.retune_warnings import retune_warnings

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 import retune
-from retune import report
+from retune.reports import batch_size as report
 
 # skip guards: the examples import lightning.pytorch, and write their PNG plots with matplotlib
 pytest.importorskip("lightning.pytorch", reason="the examples use the `lightning` package, which is not installed")

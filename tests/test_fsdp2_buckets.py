@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from retune.schedule import parse_byte_size
+from retune.schedule.models import parse_byte_size
 from tests import bucket_data
 from tests.dist_utils import run_rank_scripts
 from tests.lightning_ns import LEGACY, pl

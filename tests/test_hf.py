@@ -23,8 +23,9 @@ pytest.importorskip("lightning.pytorch", reason="the example uses the `lightning
 from torch.utils.data import DataLoader
 from transformers import BatchEncoding, BertConfig, BertForSequenceClassification
 
-from retune import ScheduledBatchSizeFinder, report
+from retune import ScheduledBatchSizeFinder
 from retune.memory import tensor_bytes
+from retune.reports import batch_size as report
 from tests.lightning_ns import pl, seed
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
+from retune.compat.hooks import check_probeable, keep_signature, step_args
 from retune.errors import RetuneError
-from retune.hook_calls import check_probeable, keep_signature, step_args
 from tests.lightning_ns import LEGACY, pl, seed
 
 N = 64

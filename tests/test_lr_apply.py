@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as sched
 
-from retune.lr_apply import nominal_lr, set_group_lr
+from retune.lr.apply import nominal_lr, set_group_lr
 
 SUGGESTION = 0.003
 

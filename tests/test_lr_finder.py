@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import retune
-from retune import ScheduledBatchSizeFinder, ScheduledLRFinder, ScheduleError, lr_report
+from retune import ScheduledBatchSizeFinder, ScheduledLRFinder, ScheduleError
 from retune.cli import main as cli_main
 from retune.errors import RetuneError
+from retune.reports import lr as lr_report
 from tests.lightning_ns import LEGACY, PRECISION_32, callbacks, pl, seed
 from tests.oracle import FineTuneModel, MemoryOracle
 

@@ -1,4 +1,4 @@
-"""The range test's pure logic (retune.lr_range): sweep, smoothing, divergence, suggestion, group selection."""
+"""The range test's pure logic (retune.lr.range_test): sweep, smoothing, divergence, suggestion, group selection."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from retune.lr_range import GroupInfo, RangeTest, diverged, new_groups, select_groups, smooth, suggest, sweep_lrs
+from retune.lr.range_test import GroupInfo, RangeTest, diverged, new_groups, select_groups, smooth, suggest, sweep_lrs
 
 
 def test_exponential_sweep_is_even_in_log_and_hits_both_ends() -> None:

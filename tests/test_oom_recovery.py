@@ -196,7 +196,7 @@ def test_custom_batch_needs_a_split_function() -> None:
     with pytest.raises(TypeError, match=r"cannot split a batch of type .*Batch.*split_batch=fn"):
         fit(None)
 
-    from retune.split import split_batch
+    from retune.recovery.split import split_batch
 
     model = fit(lambda batch, pieces: [Batch(part) for part in split_batch(batch.data, pieces)])
     assert set(model.trained.values()) == {1}
@@ -262,7 +262,7 @@ def test_recovery_is_in_history_table_and_state_dict() -> None:
     event = next(e for e in finder.history if e.is_recovery)
     assert event.trigger == "oom" and event.batch_size_before == event.batch_size_after == 16
     assert "micro-batches" in event.note
-    from retune import report
+    from retune.reports import batch_size as report
 
     table = report.format_table(finder.history)
     assert "recovered out-of-memory step" in table and "split" in table

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from retune.probe import Prober
+from retune.probing.prober import Prober
 from tests.lightning_ns import PRECISION_32, pl
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 
 from retune import ScheduledBatchSizeFinder, ScheduleError
 from retune.errors import RetuneError
-from retune.schedule import parse_byte_size
+from retune.schedule.models import parse_byte_size
 from tests import varlen
 from tests.dist_utils import run_rank_scripts
 from tests.lightning_ns import seed

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel
 
 from retune import RetuneSchedule, load_schedule
-from retune.schedule import TRIGGER_KINDS
+from retune.schedule.models import TRIGGER_KINDS
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

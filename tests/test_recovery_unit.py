@@ -1,4 +1,4 @@
-"""``retune.recovery`` alone, without Lightning: a plain torch model and a closure made of plain functions.
+"""``retune.recovery.step_recovery`` alone, no Lightning: a plain torch model and a closure made of plain functions.
 
 The OOMs are the real ``torch.OutOfMemoryError``, raised by an oracle above a sample capacity, in
 forward or in backward (after the head received its gradient, as a real backward OOM leaves it).
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from retune import RetuneError
-from retune.recovery import EvalStepRecovery, Recovered, StepParts, TrainStepRecovery
+from retune.recovery.step_recovery import EvalStepRecovery, Recovered, StepParts, TrainStepRecovery
 from tests.oom_oracle import FailInBackward
 
 
@@ -199,10 +199,10 @@ def test_eval_step_joins_outputs_and_reports() -> None:
 
 
 def test_a_recovered_steps_logged_values_combine_as_the_whole_batch() -> None:
-    """``retune.compat.train_steps``: each key once per step, weighted like the loss, with the whole batch's size."""
+    """``retune.compat.closure_runner``: each key once per step, weighted like the loss, with the whole batch's size."""
     from types import SimpleNamespace
 
-    from retune.compat.train_steps import _batch_size, _combine
+    from retune.compat.closure_runner import _batch_size, _combine
 
     def meta(kind: str) -> Any:
         kinds = ("mean", "sum", "max", "min")

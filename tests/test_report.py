@@ -1,4 +1,4 @@
-"""retune.report: history JSON/CSV round trips, the table, the PNG plot, and `retune report`."""
+"""retune.reports.batch_size: history JSON/CSV round trips, the table, the PNG plot, and `retune report`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from retune import RetuneEvent, Trial, report
+from retune import RetuneEvent, Trial
 from retune.cli import main
+from retune.reports import batch_size as report
 from tests.retune_warnings import retune_warnings
 
 # skip guard: the plot checks read the PNG back (matplotlib is not in the flash stack)

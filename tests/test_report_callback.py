@@ -9,7 +9,7 @@ import pytest
 from matplotlib.image import imread
 
 import retune
-from retune import report
+from retune.reports import batch_size as report
 from tests.lightning_ns import callbacks, pl
 from tests.oracle import FineTuneModel
 

@@ -18,8 +18,8 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 
 from retune import ScheduleError, load_schedule
 from retune.errors import RetuneError
-from retune.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
-from retune.samples import (
+from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
+from retune.probing.sample_sizes import (
     SizeCache,
     checked_size,
     default_sample_size,
@@ -96,7 +96,7 @@ def test_checked_size_accepts_ints_and_refuses_anything_else() -> None:
 def test_resolve_size_fn_by_dots_or_colon() -> None:
     assert resolve_size_fn("tests.varlen.token_count") is token_count
     assert resolve_size_fn("tests.varlen:token_count") is token_count
-    assert resolve_size_fn("retune.samples:default_sample_size") is default_sample_size
+    assert resolve_size_fn("retune.probing.sample_sizes:default_sample_size") is default_sample_size
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from retune import RetuneSchedule, ScheduleError, load_schedule
-from retune.schedule import (
+from retune.schedule.models import (
     TRIGGER_KINDS,
     ApplyConfig,
     EpochTrigger,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from retune import RetuneSchedule, load_schedule
-from retune.loading import SUFFIXES
+from retune.schedule.loading import SUFFIXES
 
 SCHEDULES = Path(__file__).parent.parent / "schedules"
 FILES = sorted(p for p in SCHEDULES.iterdir() if not p.name.startswith("."))

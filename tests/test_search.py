@@ -11,10 +11,10 @@ from types import ModuleType
 
 import pytest
 
-import retune.schedule
-import retune.search
+import retune.schedule.models
+import retune.search.largest
 from retune.events import Trial
-from retune.search import Direction, Mode, SearchPlan, SearchResult, plan_search, run_search
+from retune.search.largest import Direction, Mode, SearchPlan, SearchResult, plan_search, run_search
 
 MS = range(1, 601)
 
@@ -441,8 +441,8 @@ def test_invalid_plan_raises(kwargs: dict[str, int]) -> None:
 @pytest.mark.parametrize(
     "module",
     [
-        pytest.param(retune.search, id="search"),
-        pytest.param(retune.schedule, id="schedule"),
+        pytest.param(retune.search.largest, id="search"),
+        pytest.param(retune.schedule.models, id="schedule"),
     ],
 )
 def test_module_doctests_pass(module: ModuleType) -> None:

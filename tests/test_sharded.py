@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from retune import RetuneError, ScheduledBatchSizeFinder, sharded
-from retune.local_shards import is_sharded, local
-from retune.snapshot import TrainingSnapshot
+from retune import RetuneError, ScheduledBatchSizeFinder
+from retune.compat import strategies as sharded
+from retune.distributed.local_shards import is_sharded, local
+from retune.probing.snapshot import TrainingSnapshot
 from tests.lightning_ns import LEGACY, pl
 from tests.oracle import FineTuneModel
 
@@ -191,7 +192,7 @@ def test_sharded_gradients_kept_as_host_copies_come_back_as_the_same_dtensor_lay
 ) -> None:
     # on a GPU a sharded gradient is copied to host memory (not held on the device during probes) and
     # handed back as a DTensor laid out like its parameter; forced here on CPU, where it would be held
-    from retune import snapshot
+    from retune.probing import snapshot
 
     monkeypatch.setattr(snapshot, "_grad_holdable", lambda grad: False)
     model, optimizer = _sharded_model(gloo_group)

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from retune.host_copy import host_copies
-from retune.snapshot import TrainingSnapshot
+from retune.probing.host_copy import host_copies
+from retune.probing.snapshot import TrainingSnapshot
 from tests.dist_utils import GlooGroup
 
 MiB = 2**20
@@ -230,7 +230,7 @@ def test_gradient_views_are_copied_not_held(gloo_group: GlooGroup) -> None:
 def test_copied_gradients_come_back_in_the_parameter_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     # device gradients are copied to a contiguous host block; the restored one must be channels_last
     # again where the parameter is (as on a GPU, simulated by not holding host gradients)
-    import retune.snapshot as snapshot
+    import retune.probing.snapshot as snapshot
 
     monkeypatch.setattr(snapshot, "_host_resident", lambda tensor: False)
     conv = nn.Conv2d(256, 256, 3).to(memory_format=torch.channels_last)
@@ -347,7 +347,7 @@ def test_the_cpu_tracker_sees_the_same_resident_state_during_probes() -> None:
 def test_a_probe_that_repoints_parameter_data_is_undone(held: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # max-norm constraints and clamps often write ``p.data = p.data.clamp(...)``: a new storage, which
     # the put-back must replace with the captured one, whether the parameter is held or copied
-    import retune.snapshot as snapshot
+    import retune.probing.snapshot as snapshot
 
     if not held:  # as on a GPU, where every parameter is copied and written back in place
         monkeypatch.setattr(snapshot, "_host_resident", lambda tensor: False)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from retune.split import SplitError, batch_length, join_outputs, piece_sizes, split_batch
+from retune.recovery.split import SplitError, batch_length, join_outputs, piece_sizes, split_batch
 
 
 def test_piece_sizes_cover_every_sample_and_never_exceed_the_total() -> None:

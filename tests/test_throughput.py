@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import pytest
 
-import retune.throughput
+import retune.search.throughput
 from retune.events import Trial
-from retune.search import SearchResult
-from retune.throughput import (
+from retune.search.largest import SearchResult
+from retune.search.throughput import (
     EXTRA_TRIALS,
     ThroughputPlan,
     choose,
@@ -283,13 +283,13 @@ def test_invalid_plans_are_refused(kwargs: dict[str, float]) -> None:
 
 
 def test_doctests() -> None:
-    assert doctest.testmod(retune.throughput, raise_on_error=False).failed == 0
+    assert doctest.testmod(retune.search.throughput, raise_on_error=False).failed == 0
 
 
 def test_a_step_that_raises_records_no_time() -> None:
     import torch
 
-    from retune.step_timer import timed
+    from retune.probing.timing import timed
 
     ticks = iter([1.0, 3.5, 10.0, 99.0])
     seconds: list[float] = []

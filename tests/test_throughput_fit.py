@@ -13,8 +13,9 @@ from typing import Any
 
 import pytest
 
-from retune import ScheduledBatchSizeFinder, report
+from retune import ScheduledBatchSizeFinder
 from retune.events import RetuneEvent
+from retune.reports import batch_size as report
 from tests.lightning_ns import callbacks, pl
 from tests.step_time import FakeClock, StepTimeOracle, TimedModel, roomy_oracle
 
@@ -112,7 +113,7 @@ def test_more_steps_per_trial_time_more_steps() -> None:
 
 
 def test_selection_trials_time_four_steps_the_fit_search_two(monkeypatch: pytest.MonkeyPatch) -> None:
-    from retune.probe import Prober
+    from retune.probing.prober import Prober
 
     timed: list[int] = []
     original = Prober.time

@@ -10,8 +10,8 @@ outside this package imports Lightning or reads a private trainer attribute. One
   for the epoch that starts, batches moved as the loops move them;
 * :mod:`~retune.compat.combined_loaders`: what a dataloader hook returned, iterated as the loops do;
 * :mod:`~retune.compat.loops`: which loop runs a stage, where a training batch is;
-* :mod:`~retune.compat.steps`: one real step of a stage outside the loop (a probe), hooks hidden;
-* :mod:`~retune.compat.train_steps`: the ``oom`` trigger's closure runner and ``self.log`` interceptor;
+* :mod:`~retune.compat.stage_steps`: one real step of a stage outside the loop (a probe), hooks hidden;
+* :mod:`~retune.compat.closure_runner`: the ``oom`` trigger's closure runner and ``self.log`` interceptor;
 * :mod:`~retune.compat.logs`: where ``self.log`` writes, and where retune's files go;
 * :mod:`~retune.compat.state`: trainer state a probe can change (progress, schedulers, accumulation);
 * :mod:`~retune.compat.distributed`: whether ranks must agree, and how they exchange a decision.
@@ -52,6 +52,7 @@ from retune.compat.logs import (
 )
 from retune.compat.loops import batch_index, batch_is_accumulating, trainer_fn
 from retune.compat.namespace import callback_base_classes, is_legacy, namespace_of
+from retune.compat.stage_steps import hooks_isolated, run_step, training_step, wrap_eval_step
 from retune.compat.state import (
     accumulation_is_scheduled,
     fts_phase,
@@ -63,7 +64,6 @@ from retune.compat.state import (
     lr_schedulers,
     set_accumulation,
 )
-from retune.compat.steps import hooks_isolated, run_step, training_step, wrap_eval_step
 
 __all__ = [
     "accumulation_is_scheduled",

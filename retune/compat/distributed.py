@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from retune.sharded import check_strategy as check_strategy
-from retune.sharded import strategy_kind as _strategy_kind
+from retune.compat.strategies import check_strategy as check_strategy
+from retune.compat.strategies import strategy_kind as _strategy_kind
 
 
 def is_distributed(trainer: Any) -> bool:

@@ -35,17 +35,17 @@ from typing import Any, Union
 from flash.core.finetuning import FinetuningStrategies, FlashBaseFinetuning
 from flash.core.model import Task
 
-from retune.callback import ScheduledBatchSizeFinder
+from retune.callbacks.batch_size_finder import ScheduledBatchSizeFinder
 from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.events import RetuneEvent
-from retune.loading import ScheduleSource
-from retune.schedule import (
+from retune.schedule.loading import ScheduleSource
+from retune.schedule.models import (
     EpochTrigger,
     ParamGroupsChangedTrigger,
     RetuneSchedule,
     TrainableParamsChangedTrigger,
 )
-from retune.triggers import Trigger
+from retune.schedule.triggers import Trigger
 
 STRATEGY_NAMES: tuple[str, ...] = tuple(s.value for s in FinetuningStrategies)
 """Flash's four strategy names: ``no_freeze``, ``freeze``, ``freeze_unfreeze``, ``unfreeze_milestones``."""

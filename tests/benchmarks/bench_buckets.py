@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from retune import ScheduledBatchSizeFinder
 from retune.memory import measure_peak, tensor_bytes
-from retune.schedule import parse_byte_size
+from retune.schedule.models import parse_byte_size
 from tests import varlen
 from tests.lightning_ns import NAMESPACE, PRECISION_32, pl, seed
 

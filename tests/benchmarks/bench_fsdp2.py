@@ -49,8 +49,10 @@ CAPACITY = 40_000_000  # oracle bytes: the true maximum is a few hundred samples
 
 
 def _worker(name: str, out: Path) -> None:
-    from retune import ScheduledBatchSizeFinder, compat, probe, sharded
-    from retune.snapshot import TrainingSnapshot
+    from retune import ScheduledBatchSizeFinder, compat
+    from retune.compat import strategies as sharded
+    from retune.probing import prober as probe
+    from retune.probing.snapshot import TrainingSnapshot
     from tests.lightning_ns import pl
     from tests.oracle import MemoryOracle
 

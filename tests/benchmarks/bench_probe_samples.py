@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from retune import ScheduledBatchSizeFinder
-from retune.samples import default_sample_size, scan_sizes, size_spread
-from retune.schedule import parse_byte_size
+from retune.probing.sample_sizes import default_sample_size, scan_sizes, size_spread
+from retune.schedule.models import parse_byte_size
 from tests import varlen
 from tests.lightning_ns import NAMESPACE, pl, seed
 

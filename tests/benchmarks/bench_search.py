@@ -52,7 +52,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, TensorData
 import retune
 from retune import ScheduledBatchSizeFinder
 from retune.errors import RetuneError
-from retune.probe import Prober
+from retune.probing.prober import Prober
 from tests.benchmarks.oracle_device import CapacityOracle, host_memory, simulated_device, to_device
 
 RESULTS = Path(__file__).parent / "results"

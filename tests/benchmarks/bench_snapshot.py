@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import compat
-from retune.snapshot import TrainingSnapshot
+from retune.probing.snapshot import TrainingSnapshot
 
 RESULTS = Path(__file__).parent / "results"
 WIDTH = 4096
@@ -90,7 +90,7 @@ class BigModel(pl.LightningModule):
 
 
 def _capture(trainer: Any, module: nn.Module, with_optimizers: bool = True) -> TrainingSnapshot:
-    """What retune's probe session captures (retune.probe.Prober.session)."""
+    """What retune's probe session captures (retune.probing.prober.Prober.session)."""
     stateful: list[Any] = [*compat.lr_schedulers(trainer), *compat.loop_progress(trainer)]
     scaler = compat.grad_scaler(trainer)
     if scaler is not None:

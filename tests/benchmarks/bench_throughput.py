@@ -56,8 +56,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
-from retune.probe import Prober
-from retune.throughput import samples_per_second
+from retune.probing.prober import Prober
+from retune.search.throughput import samples_per_second
 
 RESULTS = Path(__file__).parent / "results"
 SEED = 1234

@@ -37,7 +37,7 @@ Decisions (all apply equally to retune and Lightning; see tests/benchmarks/READM
     From then on the batch is device memory until it is freed, like the device copy of a GPU
     run. Without this, a batch a loop merely holds on to (Lightning's fetcher prefetches the next
     one) would be charged, which on a GPU it is not;
-  - retune's snapshot: on a GPU its copies (``retune.snapshot.host_copies``, device to host)
+  - retune's snapshot: on a GPU its copies (``retune.probing.snapshot.host_copies``, device to host)
     take no device memory; on CPU they would be CPU tensors, so :func:`host_copies_off_device`
     makes them in :func:`host_memory`, and has gradients copied like the rest rather than held by
     reference (as on a GPU). Restoring writes them back in place (no new storage), except a
@@ -191,15 +191,15 @@ class CapacityOracle(TorchDispatchMode):  # type: ignore[misc]
 def host_copies_off_device() -> Iterator[None]:
     """Keep retune's snapshot off the simulated device, as it is off a real GPU.
 
-    On a GPU the snapshot copies device tensors into host memory (``retune.snapshot.host_copies``)
+    On a GPU the snapshot copies device tensors into host memory (``retune.probing.snapshot.host_copies``)
     and copies device gradients too, so it takes no device memory. On this CPU-only machine the
     copies would be CPU tensors the oracle charges, and host-resident tensors are held instead of
-    copied (``retune.snapshot._host_resident``: gradients set aside, parameters and optimizer state
+    copied (``retune.probing.snapshot._host_resident``: gradients set aside, parameters and optimizer state
     moved onto uncharged copies while the charged originals stay alive). The benchmark (and only the
     benchmark) makes both behave as on a GPU: the copies are made with the oracle paused, and every
     tensor is copied off the device and written back in place.
     """
-    import retune.snapshot as snapshot
+    import retune.probing.snapshot as snapshot
 
     original = snapshot.host_copies
 

@@ -42,9 +42,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
 from retune import ScheduledBatchSizeFinder
-from retune.local_shards import local
-from retune.sharded import fsdp_modules
-from retune.snapshot import TrainingSnapshot
+from retune.compat.strategies import fsdp_modules
+from retune.distributed.local_shards import local
+from retune.probing.snapshot import TrainingSnapshot
 from tests.dist_utils import leave_rank
 from tests.lightning_ns import callbacks, pl
 from tests.oom_oracle import FailInBackward

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
-from retune.collective_guard import CollectiveGuard, PeerFailed
+from retune.distributed.collective_guard import CollectiveGuard, PeerFailed
 from tests.dist_utils import leave_rank
 
 FAIL_AT = [None, 0, 1, 2, 3]  # None: nobody fails; 3: rank 1 fails after the region's last collective

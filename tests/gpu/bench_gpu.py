@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
-from retune.probe import Prober
+from retune.probing.prober import Prober
 
 N = 65536
 

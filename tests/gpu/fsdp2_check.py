@@ -45,8 +45,8 @@ def _worker(scenario: str, out: Path, sizes: list[int] | None) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from retune import ScheduledBatchSizeFinder
-    from retune.local_shards import local
-    from retune.snapshot import TrainingSnapshot
+    from retune.distributed.local_shards import local
+    from retune.probing.snapshot import TrainingSnapshot
     from tests.lightning_ns import callbacks, pl
 
     class Wide(pl.LightningModule):  # type: ignore[misc,name-defined]

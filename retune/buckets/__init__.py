@@ -1,0 +1,10 @@
+"""``search.batching: buckets``: samples grouped by size, one batch size per bucket.
+
+* :mod:`~retune.buckets.plan`: which samples go together, and each epoch's batches;
+* :mod:`~retune.buckets.sizes`: every bucket's largest size from a memory model in batch x sample size;
+* :mod:`~retune.buckets.throughput`: ``objective: throughput`` with buckets;
+* :mod:`~retune.buckets.loader`: the user's DataLoader reading the batches retune forms per bucket;
+* :mod:`~retune.buckets.train_buckets`: what a run keeps between searches, and one bucketed search.
+"""
+
+__all__ = ["loader", "plan", "sizes", "throughput", "train_buckets"]

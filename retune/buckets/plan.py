@@ -1,0 +1,285 @@
+"""Length buckets for ``search.batching: buckets``: which samples go together, and each epoch's batches.
+
+With pad-to-longest collation a batch costs memory in proportion to ``batch size x its longest
+sample``, so one batch size for the whole dataset must fit the rarest, longest samples. Grouping
+samples of similar size into buckets, each with its own batch size, lets the short majority train
+in large batches while the long tail stays safe. This module is the pure part (no Lightning, no
+torch): bucket boundaries from the distribution of sample sizes, and the batches of an epoch for one
+rank, seeded and reproducible.
+
+Boundaries minimise the padded work of an epoch, ``sum(samples in bucket x largest sample in
+bucket)``: with a batch size per bucket chosen so a batch fills the memory budget, memory per batch is
+about ``batch x largest`` and the number of steps an epoch takes is proportional to that sum. An
+exact dynamic programme over the distinct sizes finds them (sizes are first merged into at most
+:data:`MAX_LEVELS` quantile levels, so millions of distinct image sizes cost no more than text).
+
+Under DDP every rank builds the same global plan from the same seed and takes its share, so every
+rank runs the same number of batches, the ranks' batches at a given step come from the same bucket,
+and every sample is trained once per epoch across ranks (the last, partial group of a bucket is
+padded with the bucket's own samples, as ``DistributedSampler`` pads, or dropped with ``drop_last``).
+
+Example:
+    >>> sizes = [16] * 90 + [512] * 10
+    >>> plan = plan_buckets(list(range(100)), sizes, count=2)
+    >>> plan.largest, [len(m) for m in plan.members]
+    ((16, 512), [90, 10])
+    >>> batches = epoch_batches(plan, [30, 2], seed=0, epoch=0)
+    >>> len(batches), sorted({len(b.indices) for b in batches})
+    (8, [2, 30])
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DEFAULT_BUCKETS = 6
+"""Buckets when the schedule does not say: enough to take most of the padding and memory waste out of
+long-tailed text and speech data, few enough that re-tuning every bucket stays cheap (a re-tune costs
+about ``buckets + 2`` probes)."""
+
+MAX_LEVELS = 512
+"""Distinct sizes the boundary search considers (more are merged into quantile levels)."""
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Samples grouped by size. Bucket 0 holds the smallest samples."""
+
+    bounds: tuple[int, ...]
+    """The largest sample size each bucket may hold (inclusive), ascending."""
+    members: tuple[tuple[int, ...], ...]
+    """Each bucket's dataset indices, largest sample first (ties: lower index first)."""
+    largest: tuple[int, ...]
+    """Each bucket's largest sample size: its worst batch is made of its largest samples."""
+
+    @property
+    def count(self) -> int:
+        return len(self.members)
+
+    @property
+    def samples(self) -> int:
+        return sum(len(m) for m in self.members)
+
+    def worst(self, bucket: int, size: int) -> list[int]:
+        """The ``size`` largest samples of ``bucket`` (a probe batch that is that bucket's worst batch)."""
+        return list(self.members[bucket][:size])
+
+    def bucket_of(self, sample_size: int) -> int:
+        """The bucket a sample of this size belongs to (sizes above the last bound go to the last bucket)."""
+        for bucket, bound in enumerate(self.bounds):
+            if sample_size <= bound:
+                return bucket
+        return len(self.bounds) - 1
+
+
+def choose_bounds(sizes: Sequence[int], count: int) -> tuple[int, ...]:
+    """Upper bounds of at most ``count`` buckets that minimise ``sum(samples x largest)`` over buckets.
+
+    >>> choose_bounds([10] * 50 + [20] * 50 + [400] * 2, 2)
+    (20, 400)
+    >>> choose_bounds([7, 7, 7], 4)
+    (7,)
+    """
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if not sizes:
+        return ()
+    levels, weights = _levels(sorted(sizes))
+    k = min(count, len(levels))
+    n = len(levels)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # cost[j][b]: least padded work covering levels[0..b] with j + 1 buckets; cut[j][b]: where the last one starts
+    cost = [[inf] * n for _ in range(k)]
+    cut = [[0] * n for _ in range(k)]
+    for b in range(n):
+        cost[0][b] = prefix[b + 1] * levels[b]
+    for j in range(1, k):
+        row, prev = cost[j], cost[j - 1]
+        for b in range(j, n):
+            best, arg = inf, j
+            top = levels[b]
+            for a in range(j, b + 1):  # the last bucket covers levels[a..b]
+                value = prev[a - 1] + (prefix[b + 1] - prefix[a]) * top
+                if value < best:
+                    best, arg = value, a
+            row[b], cut[j][b] = best, arg
+    bounds: list[int] = []
+    b = n - 1
+    for j in range(k - 1, -1, -1):
+        bounds.append(levels[b])
+        if j == 0:
+            break
+        b = cut[j][b] - 1
+    return tuple(sorted(set(bounds)))
+
+
+def _levels(ordered: list[int]) -> tuple[list[int], list[int]]:
+    """Distinct sizes and their counts; beyond :data:`MAX_LEVELS`, quantile groups (each its group's largest)."""
+    levels: list[int] = []
+    weights: list[int] = []
+    for size in ordered:
+        if levels and levels[-1] == size:
+            weights[-1] += 1
+        else:
+            levels.append(size)
+            weights.append(1)
+    if len(levels) <= MAX_LEVELS:
+        return levels, weights
+    total = len(ordered)
+    merged_levels: list[int] = []
+    merged_weights: list[int] = []
+    groups: list[int] = []
+    seen = 0
+    for level, weight in zip(levels, weights, strict=True):
+        group = seen * MAX_LEVELS // total  # the quantile group this level starts in
+        seen += weight
+        if groups and groups[-1] == group:
+            merged_levels[-1] = level
+            merged_weights[-1] += weight
+        else:
+            groups.append(group)
+            merged_levels.append(level)
+            merged_weights.append(weight)
+    return merged_levels, merged_weights
+
+
+def plan_buckets(order: Sequence[int], sizes: Sequence[int], count: int) -> Buckets:
+    """Group the samples ``order`` (dataset indices, largest first, with their ``sizes``) into buckets.
+
+    ``order``/``sizes`` are a :class:`~retune.probing.sample_sizes.SizeScan`'s. Empty buckets are never made.
+    """
+    if len(order) != len(sizes):
+        raise ValueError(f"{len(order)} indices but {len(sizes)} sizes")
+    bounds = choose_bounds(sizes, count)
+    return assign(order, sizes, bounds)
+
+
+def assign(order: Sequence[int], sizes: Sequence[int], bounds: Sequence[int]) -> Buckets:
+    """Put each sample into the first bucket whose bound holds it; buckets left empty are dropped."""
+    if not bounds:
+        return Buckets((), (), ())
+    groups: list[list[int]] = [[] for _ in bounds]
+    tops = [0] * len(bounds)
+    for index, size in zip(order, sizes, strict=True):
+        bucket = next((b for b, bound in enumerate(bounds) if size <= bound), len(bounds) - 1)
+        groups[bucket].append(int(index))
+        tops[bucket] = max(tops[bucket], int(size))
+    kept = [b for b in range(len(bounds)) if groups[b]]
+    return Buckets(
+        tuple(int(bounds[b]) for b in kept),
+        tuple(tuple(groups[b]) for b in kept),
+        tuple(tops[b] for b in kept),
+    )
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """One step of one rank: the bucket it comes from and the dataset indices it holds."""
+
+    bucket: int
+    indices: tuple[int, ...]
+
+
+def count_batches(buckets: Buckets, batch_sizes: Sequence[int], drop_last: bool = False, world_size: int = 1) -> int:
+    """Batches each rank runs per epoch (the same on every rank)."""
+    total = 0
+    for members, size in zip(buckets.members, batch_sizes, strict=True):
+        group = max(1, size) * world_size
+        full, rest = divmod(len(members), group)
+        total += full + (1 if rest and not drop_last else 0)
+    return total
+
+
+def epoch_batches(
+    buckets: Buckets,
+    batch_sizes: Sequence[int],
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    world_size: int = 1,
+    rank: int = 0,
+) -> list[PlannedBatch]:
+    """This rank's batches for ``epoch``: each bucket cut into batches of its own size, batches shuffled
+    across buckets. The same ``(seed, epoch)`` gives the same batches; every rank gets the same number.
+
+    Without ``shuffle`` samples keep dataset order within a bucket and batches run in order of their
+    first sample. A bucket's last group (``size x world_size`` samples at most) trains smaller when it
+    is partial, or not at all with ``drop_last``; under DDP it is padded with the bucket's first samples
+    to a multiple of ``world_size`` so every rank gets a batch.
+    """
+    if len(batch_sizes) != buckets.count:
+        raise ValueError(f"{buckets.count} buckets but {len(batch_sizes)} batch sizes")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world size {world_size} is not valid")
+    rng = random.Random(f"retune-buckets:{seed}:{epoch}")
+    groups: list[tuple[int, list[int]]] = []
+    for bucket, (members, size) in enumerate(zip(buckets.members, batch_sizes, strict=True)):
+        if size < 1:
+            raise ValueError(f"bucket {bucket} has batch size {size}; sizes must be >= 1")
+        indices = list(members)
+        if shuffle:
+            rng.shuffle(indices)
+        else:
+            indices.sort()
+        step = size * world_size
+        for start in range(0, len(indices), step):
+            group = indices[start : start + step]
+            if len(group) < step:
+                if drop_last:
+                    continue
+                group = _pad(group, indices, world_size)
+            groups.append((bucket, group))
+    if shuffle:
+        rng.shuffle(groups)
+    else:
+        groups.sort(key=lambda g: min(g[1]))
+    batches = []
+    for bucket, group in groups:
+        share = len(group) // world_size
+        batches.append(PlannedBatch(bucket, tuple(group[rank * share : (rank + 1) * share])))
+    return batches
+
+
+def _pad(group: list[int], pool: list[int], world_size: int) -> list[int]:
+    """``group`` padded with samples of ``pool`` (cycled) to a multiple of ``world_size``."""
+    missing = -len(group) % world_size
+    padded = list(group)
+    position = 0
+    while missing:
+        padded.append(pool[position % len(pool)])
+        position += 1
+        missing -= 1
+    return padded
+
+
+def mean_batch(buckets: Buckets, batch_sizes: Sequence[int], drop_last: bool = False, world_size: int = 1) -> float:
+    """Samples per step on one rank, averaged over an epoch (what ``apply`` policies use as the batch size)."""
+    steps = count_batches(buckets, batch_sizes, drop_last, world_size)
+    if steps == 0:
+        return 0.0
+    trained = 0
+    for members, size in zip(buckets.members, batch_sizes, strict=True):
+        group = size * world_size
+        full, rest = divmod(len(members), group)
+        trained += full * size + (-(-rest // world_size) if rest and not drop_last else 0)
+    return trained / steps
+
+
+__all__ = [
+    "DEFAULT_BUCKETS",
+    "Buckets",
+    "PlannedBatch",
+    "assign",
+    "choose_bounds",
+    "count_batches",
+    "epoch_batches",
+    "mean_batch",
+    "plan_buckets",
+]

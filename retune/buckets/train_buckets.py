@@ -1,0 +1,408 @@
+"""``search.batching: buckets`` for the train stage: what a run keeps between searches, and one search.
+
+:class:`TrainBuckets` owns the buckets of a fit: the samples grouped by size (from the sample-size
+scan of ``probe_samples: largest``, cached per dataset), each bucket's batch size, the memory the
+last search learned (the next one's prior), the shuffle seed, and the hook that hands Lightning the
+bucketed loader. A search probes each bucket on its worst batch (its largest samples) through the
+same :class:`~retune.probing.prober.Prober` session as a fixed search (:mod:`retune.search.stage` runs both).
+
+Where buckets cannot work — an ``IterableDataset``, a custom ``batch_sampler``, a loader that is not
+a ``DataLoader``, several train loaders, samples without a size — training stays on one batch size
+(``fixed``) and one warning says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from retune import compat
+from retune.buckets.loader import BucketBatchSampler, TrainLoaderHook, is_shuffled, loader_seed
+from retune.buckets.loader import with_batch_sampler as _with_batch_sampler
+from retune.buckets.plan import Buckets, assign, mean_batch, plan_buckets
+from retune.buckets.sizes import BucketMemory, BucketSearchResult, BucketTrial, Direction, search_buckets
+from retune.buckets.throughput import bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
+from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
+from retune.probing.prober import Prober
+from retune.search.throughput import ThroughputPlan, choose_fastest, selection_steps
+
+
+@dataclass
+class BucketState:
+    """What a run keeps about its buckets (in ``state_dict``: a resumed run trains at the same sizes)."""
+
+    bounds: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    memory: BucketMemory | None = None
+    seed: int | None = None
+    largest: list[int] = field(default_factory=list)
+    """``objective: throughput``: each bucket's largest size that fit, before the cap (empty: ``sizes`` are)."""
+    reference: int | None = None
+    """``objective: throughput``: the bucket the selection timed, and ``chosen``, its size there."""
+    chosen: int | None = None
+    padded: int | None = None
+    """``objective: throughput``: the padded work per step every bucket is capped at (None: no cap)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bounds": list(self.bounds),
+            "sizes": list(self.sizes),
+            "memory": None if self.memory is None else self.memory.to_dict(),
+            "seed": self.seed,
+            "largest": list(self.largest),
+            "reference": self.reference,
+            "chosen": self.chosen,
+            "padded": self.padded,
+        }
+
+    @property
+    def fit_sizes(self) -> list[int]:
+        """The largest sizes that fit (what a warm fit search starts from), capped or not."""
+        return list(self.largest) if len(self.largest) == len(self.sizes) else list(self.sizes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BucketState:
+        memory = data.get("memory")
+        return cls(
+            [int(b) for b in data.get("bounds") or []],
+            [int(s) for s in data.get("sizes") or []],
+            None if memory is None else BucketMemory.from_dict(memory),
+            data.get("seed"),
+            [int(s) for s in data.get("largest") or []],  # absent before throughput worked with buckets
+            _int_or_none(data.get("reference")),
+            _int_or_none(data.get("chosen")),
+            _int_or_none(data.get("padded")),
+        )
+
+
+@dataclass
+class BucketOutcome:
+    """One bucketed search's result, before it is applied."""
+
+    buckets: Buckets
+    result: BucketSearchResult
+    sizes: list[int | None]
+    """Each bucket's size after the margin (None: nothing fit the bucket); with ``objective: throughput``,
+    after the cap at the fastest padded work per step."""
+    sizes_before: list[int]
+    largest: list[int] = field(default_factory=list)
+    """``objective: throughput``: each bucket's largest size that fit (margin applied), before the cap."""
+    reference: int | None = None
+    chosen: int | None = None
+    padded: int | None = None
+    limited: bool = False
+    """Only the buckets whose real steps ran out of memory were searched (an ``oom`` re-tune)."""
+
+
+class TrainBuckets:
+    """The buckets of the train stage across a fit (one per callback)."""
+
+    def __init__(self, count: int, probe_batches: ProbeBatches) -> None:
+        self.count = count
+        self.probe_batches = probe_batches
+        self.state = BucketState()
+        self.buckets: Buckets | None = None
+        self.hook = TrainLoaderHook(self._convert)
+        self.sampler: BucketBatchSampler | None = None
+        """The batch sampler of the loader Lightning trains on now (None: not bucketed)."""
+        self.failures: dict[int, tuple[int, int]] = {}
+        """Bucket -> ``(fitting, failed)`` sizes of real steps that ran out of memory since the last search."""
+        self.current_bucket: int | None = None
+        """The bucket being probed now (for the trial lines)."""
+        self._trainer: Any = None
+        self._world_size = 1
+        self._rank = 0
+
+    # -- the fit ------------------------------------------------------------------------------
+
+    def install(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self._world_size = int(getattr(trainer, "world_size", 1) or 1)
+        self._rank = int(getattr(trainer, "global_rank", 0) or 0)
+        self.hook.install(trainer)
+
+    def uninstall(self) -> None:
+        self.hook.uninstall()
+        self._trainer = None
+        self.sampler = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_trainer"] = None  # ddp_spawn pickles the callback
+        state["sampler"] = None
+        return state
+
+    @property
+    def active(self) -> bool:
+        """Whether the train loader is bucketed now."""
+        return self.sampler is not None
+
+    def restore(self, trainer: Any, say: Any) -> bool:
+        """Rebuild the buckets a checkpoint's sizes belong to (same bounds); False when that is not possible."""
+        if not self.state.sizes or not self.state.bounds:
+            return False
+        with self.hook.paused():
+            loader = compat.request_dataloader(trainer, "train")
+        buckets = self.prepare(loader, say, bounds=self.state.bounds)
+        if buckets is None or buckets.count != len(self.state.sizes):
+            self.state.sizes = []
+            return False
+        self.buckets = buckets
+        return True
+
+    def record_failure(self, trainer: Any, failed: int, fitting: int) -> int | None:
+        """A real step of the bucket being trained ran out of memory: remember it for that bucket's search."""
+        if self.sampler is None:
+            return None
+        bucket = self.sampler.bucket_at(compat.batch_index(trainer))
+        if bucket is None:
+            return None
+        known = self.failures.get(bucket)
+        if known is None:
+            self.failures[bucket] = (fitting, failed)
+        else:
+            self.failures[bucket] = (min(known[0], fitting), min(known[1], failed))
+        return bucket
+
+    def merge_failures(self, gathered: Sequence[Mapping[int, tuple[int, int]]]) -> None:
+        """Every rank's failures (DDP): the batches of a step come from the same bucket on every rank."""
+        merged: dict[int, tuple[int, int]] = {}
+        for failures in gathered:
+            for bucket, (fitting, failed) in failures.items():
+                known = merged.get(bucket)
+                merged[bucket] = (fitting, failed) if known is None else (min(known[0], fitting), min(known[1], failed))
+        self.failures = merged
+
+    # -- grouping -------------------------------------------------------------------------------
+
+    def why_not(self, loader: Any) -> str | None:
+        """Why this train loader cannot be bucketed, or None."""
+        if isinstance(loader, (Mapping, list, tuple)):
+            return "train_dataloader() returns several loaders"
+        return why_not_reorderable(loader)
+
+    def prepare(self, loader: Any, say: Any, bounds: Sequence[int] | None = None) -> Buckets | None:
+        """Group the loader's samples by size (scanned once per dataset); None, with one warning, when not possible."""
+        reason = self.why_not(loader)
+        if reason is None:
+            dataset = loader.dataset
+            candidates = candidate_indices(loader.batch_sampler.sampler, len(dataset))
+            if not candidates:
+                reason = "its sampler draws no samples"
+            else:
+                problem = self.probe_batches.unindexable(dataset, candidates[0])
+                if problem is not None:
+                    reason = problem
+        if reason is not None:
+            self.probe_batches.warn_once(
+                "train-buckets",
+                f"search.batching: buckets cannot group the train dataloader's samples: {reason}. Training with "
+                "one batch size for every batch (batching: fixed)",
+            )
+            return None
+        scan, fresh = self.probe_batches.cache.get(dataset, candidates, self.probe_batches.size_fn, None)
+        if fresh:
+            self.probe_batches.scan_seconds += scan.seconds
+            say(f"scanned the sizes of {scan.scanned} train samples in {scan.seconds:.2f}s for the buckets")
+        if scan.sizeless:
+            self.probe_batches.warn_once(
+                "train-buckets",
+                "search.batching: buckets found no size in the train samples (every one measured 0); pass "
+                "sample_size to say what a sample's memory grows with. Training with one batch size (batching: fixed)",
+            )
+            return None
+        if bounds:
+            return assign(scan.order, scan.sizes, bounds)
+        return plan_buckets(scan.order, scan.sizes, self.count)
+
+    def _convert(self, loader: Any) -> Any:
+        """What Lightning trains on: the user's loader with the buckets' batch sampler, when sizes are known."""
+        buckets, sizes = self.buckets, self.state.sizes
+        if buckets is None or not sizes or len(sizes) != buckets.count or self.why_not(loader) is not None:
+            self.sampler = None
+            return loader
+        assert isinstance(loader, DataLoader)
+        trainer = self._trainer
+        epoch = int(trainer.current_epoch) if trainer is not None else 0
+        seed = self.state.seed if self.state.seed is not None else loader_seed(loader)
+        sampler = BucketBatchSampler(
+            buckets,
+            sizes,
+            seed=seed,
+            epoch=epoch,
+            shuffle=is_shuffled(loader),
+            drop_last=bool(loader.drop_last),
+            world_size=self._world_size,
+            rank=self._rank,
+        )
+        self.sampler = sampler
+        return _with_batch_sampler(loader, sampler)
+
+    # -- one search -----------------------------------------------------------------------------
+
+    def search(
+        self,
+        trainer: Any,
+        buckets: Buckets,
+        prober: Prober,
+        *,
+        limit: int | None,
+        start: int,
+        max_trials: int,
+        max_val: int,
+        margin_of: Any,
+        tolerance: float,
+        steps: int,
+        direction: Direction,
+        cold: bool,
+    ) -> BucketOutcome:
+        """Probe the buckets (all, or only those whose real steps ran out of memory) and return their sizes."""
+        if self.state.seed is None:
+            with self.hook.paused():
+                loader = compat.request_dataloader(trainer, "train")
+            self.state.seed = int(compat.broadcast_object(trainer, loader_seed(loader)))
+        world = max(1, int(trainer.world_size))
+        uppers = [max(1, min(max_val, -(-len(m) // world))) for m in buckets.members]
+        same_buckets = list(buckets.bounds) == self.state.bounds and len(self.state.sizes) == buckets.count
+        # a warm search starts where memory was last time: the largest sizes, not a throughput cap below them
+        previous: list[int | None] | None = list(self.state.fit_sizes) if same_buckets and not cold else None
+        prior = self.state.memory if same_buckets else None
+        failures = {b: f for b, f in self.failures.items() if b < buckets.count} if same_buckets else {}
+        self.failures = {}
+        only = sorted(failures) if failures else None
+
+        def arrange_for(bucket: int, size: int) -> Any:
+            def arrange(loader: Any) -> Any:
+                return with_index_order(loader, buckets.worst(bucket, size) * steps, size)
+
+            return arrange
+
+        def measure(bucket: int, size: int) -> tuple[bool, int | None]:
+            prober.arrange = arrange_for(bucket, size)
+            self.current_bucket = bucket
+            try:
+                return prober.measure(size)
+            finally:
+                self.current_bucket = None
+
+        with self.hook.paused():
+            result = search_buckets(
+                buckets.largest,
+                uppers,
+                measure,
+                limit,
+                start=start,
+                max_trials=max_trials,
+                previous=previous,
+                direction="down" if failures else direction,
+                prior=prior,
+                known_fail={b: failed for b, (_, failed) in failures.items()},
+                known_fit={
+                    b: min(fitting, failed - 1) for b, (fitting, failed) in failures.items() if fitting < failed
+                },
+                only=only,
+                tolerance=tolerance,
+            )
+        sizes: list[int | None] = [
+            None if found is None else margin_of(found, found < uppers[b]) for b, found in enumerate(result.found)
+        ]
+        # after the margin, too: a size that fits longer samples fits shorter ones (up to a bucket's own count)
+        best: int | None = None
+        for bucket in sorted(range(buckets.count), key=lambda b: -buckets.largest[b]):
+            size = sizes[bucket]
+            if size is not None and best is not None and size < best:
+                sizes[bucket] = size = max(size, min(best, uppers[bucket]))
+            if size is not None:
+                best = size if best is None else max(best, size)
+        if only is not None and previous is not None:
+            sizes = [sizes[b] if b in only else previous[b] for b in range(buckets.count)]
+        return BucketOutcome(
+            buckets, result, sizes, list(self.state.sizes) if same_buckets else [], limited=only is not None
+        )
+
+    def cap_at_fastest(
+        self,
+        outcome: BucketOutcome,
+        prober: Prober,
+        *,
+        tolerance: float,
+        steps: int,
+        warm: bool,
+    ) -> None:
+        """``objective: throughput``: cap every bucket's size at the fastest padded work per step (in place).
+
+        Runs inside the probe session, after the search for what fits. The selection
+        (:func:`~retune.search.throughput.choose_fastest`) times the reference bucket's worst batch, as the search
+        probed it, reusing the search's timed trials in that bucket; ``warm`` starts it at the size it chose
+        there last time. An ``oom`` re-tune of some buckets keeps the padded work found last time and times
+        nothing. Trials it adds are appended to ``outcome.result.trials`` (their bucket is the reference).
+        """
+        sizes = outcome.sizes
+        if any(s is None for s in sizes):
+            return  # nothing fits a bucket: the search fails as it would with objective: largest
+        fit = [int(s) for s in sizes if s is not None]
+        buckets = outcome.buckets
+        same = list(buckets.bounds) == self.state.bounds and len(self.state.sizes) == buckets.count
+        if outcome.limited and same and self.state.reference is not None:
+            padded = self.state.padded
+            outcome.sizes = list(fit if padded is None else capped_sizes(fit, buckets.largest, padded))
+            outcome.largest, outcome.padded = fit, padded
+            outcome.reference, outcome.chosen = self.state.reference, self.state.chosen
+            return
+        reference = reference_bucket(buckets.largest, [len(m) for m in buckets.members])
+        start = self.state.chosen if warm and same and self.state.reference == reference else None
+        known = bucket_timings(outcome.result.trials, prober.step_times, reference)
+        trials = outcome.result.trials
+
+        timed_steps = selection_steps(steps)
+
+        def time_trial(size: int) -> tuple[bool, list[float]]:
+            # the worst batch once per step the trial runs (Prober.time raises its steps_per_trial while it runs)
+            prober.arrange = lambda loader: with_index_order(
+                loader, buckets.worst(reference, size) * prober.steps_per_trial, size
+            )
+            self.current_bucket = reference
+            try:
+                fits, seconds = prober.time(size, timed_steps)
+            finally:
+                self.current_bucket = None
+            trials.append(BucketTrial(reference, size, fits, None))
+            return fits, seconds
+
+        with self.hook.paused():
+            choice = choose_fastest(
+                ThroughputPlan(cap=fit[reference], tolerance=tolerance, start=start), known, time_trial
+            )
+        capped = cap_at_fastest(fit, buckets.largest, reference, choice)
+        outcome.sizes = list(capped.sizes)
+        outcome.largest, outcome.padded = capped.largest, capped.padded
+        outcome.reference, outcome.chosen = capped.reference, capped.chosen
+
+    def apply(self, outcome: BucketOutcome) -> None:
+        sizes = outcome.sizes
+        assert all(s is not None for s in sizes)
+        self.buckets = outcome.buckets
+        self.state.bounds = list(outcome.buckets.bounds)
+        self.state.sizes = [int(s) for s in sizes if s is not None]
+        self.state.largest = list(outcome.largest)
+        self.state.reference, self.state.chosen, self.state.padded = outcome.reference, outcome.chosen, outcome.padded
+        if outcome.result.memory is not None:
+            self.state.memory = outcome.result.memory
+
+    def mean_batch(self) -> float:
+        """Samples per step on one rank, over an epoch of the loader in use (0 when not bucketed)."""
+        if self.buckets is None or not self.state.sizes:
+            return 0.0
+        sampler = self.sampler
+        world, drop_last = (sampler.world_size, sampler.drop_last) if sampler is not None else (self._world_size, False)
+        return mean_batch(self.buckets, self.state.sizes, drop_last, world)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+__all__ = ["BucketOutcome", "BucketState", "TrainBuckets"]

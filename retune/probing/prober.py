@@ -1,0 +1,289 @@
+"""One trial: real training steps at a candidate batch size, with the run left as it was.
+
+A trial sets the batch-size attribute, asks the user's ``train_dataloader()`` for a loader at that
+size, and runs ``steps_per_trial`` real steps (forward, backward, optimizer step under the
+trainer's strategy and precision). The first step allocates optimizer state exactly as training
+will, so the memory measured is the memory the run needs. Between trials and at the end of the
+search, the snapshot taken before the first trial is restored: each trial after the first starts
+with a reset to it, and the session ends with the final restore (a trial's leftovers are never
+copied back just to be overwritten by the next one).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+from retune import compat
+from retune.compat.strategies import sharded_trials
+from retune.distributed.collective_guard import PeerFailed
+from retune.errors import RetuneError
+from retune.memory import measure_peak, tensor_bytes
+from retune.oom import is_oom_error
+from retune.probing.snapshot import TrainingSnapshot, sampler_generators
+from retune.probing.timing import Clock, default_clock, timed
+from retune.recovery.split import SplitError, batch_length
+from retune.search.throughput import samples_per_second, steady
+
+TrialReport = Callable[[int, bool, int | None, float | None], None]
+"""``on_trial(size, fits, peak_bytes, samples_per_s)``, called after every trial on every rank."""
+
+
+def _free_memory(collect: bool) -> None:
+    """Hand freed blocks back to the device allocator.
+
+    A full ``gc.collect`` costs about 0.2 s in a process that imported Lightning, so it only runs
+    after an OOM on an accelerator, where reference cycles in the traceback could keep the failed
+    step's tensors alive and make the next, smaller trial fail too. CPU tensors are freed by
+    reference counting as soon as the exception is dropped.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
+        return
+    if collect:
+        gc.collect()
+    torch.cuda.empty_cache()
+
+
+def capture_run_state(trainer: Any, pl_module: Any, training: bool = True) -> TrainingSnapshot:
+    """Snapshot what real steps outside the loop can change (see :mod:`retune.probing.snapshot`).
+
+    Training steps can change weights, optimizer state, LR schedulers, the grad scaler and the loops'
+    progress counters; an evaluation step only buffers, train/eval flags, metrics and RNG.
+    """
+    stateful: list[Any] = [*compat.lr_schedulers(trainer), *compat.loop_progress(trainer)] if training else []
+    scaler = compat.grad_scaler(trainer)
+    if scaler is not None and training:
+        stateful.append(scaler)
+    return TrainingSnapshot.capture(
+        pl_module,
+        optimizers=list(trainer.optimizers) if training else [],
+        stateful=stateful,
+        counters=compat.loop_counters(trainer) if training else [],
+        include_params=training,
+    )
+
+
+class Prober:
+    """Runs trials for one search. Use as ``with Prober(...).session(): prober.measure(size)``.
+
+    ``stage`` is ``train`` (forward, backward and optimizer step) or an evaluation stage (``val``,
+    ``test``, ``predict``: the module's ``*_step`` in eval mode without gradients, as Lightning runs it).
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        batch_arg_name: str,
+        steps_per_trial: int,
+        budget_bytes: int | None = None,
+        on_trial: TrialReport | None = None,
+        stage: str = "train",
+        track_memory: bool = True,
+        arrange: Callable[[Any], Any] | None = None,
+        time_steps: bool = False,
+        clock: Clock | None = None,
+    ) -> None:
+        self.trainer = trainer
+        self.pl_module = pl_module
+        self.batch_arg_name = batch_arg_name
+        self.steps_per_trial = steps_per_trial
+        self.budget_bytes = budget_bytes
+        self.on_trial = on_trial
+        self.stage = stage
+        self.track_memory = track_memory or budget_bytes is not None
+        self.arrange = arrange
+        """Turns the loader the hook returned into the one a trial iterates (``search.probe_samples``)."""
+        self.peaks: list[int | None] = []
+        """Measured peak of each trial, in order (None where no statistic exists or the trial hit a real OOM)."""
+        self.time_steps = time_steps
+        self.clock = clock or default_clock
+        self.step_times: list[list[float] | None] = []
+        """With ``time_steps``: the seconds of each step of each trial, in trial order, the slowest rank's
+        under DDP (None where the trial failed or its steps were not timed)."""
+        self._untracked = False  # time() runs its trials without the CPU memory tracker
+        self._times: list[float] | None = None  # the current trial's step seconds
+        self._snapshot: TrainingSnapshot | None = None
+        self._trials_run = 0  # in the current session
+        self._sharded = sharded_trials(trainer, pl_module)  # FSDP2: guarded trials, reset after a failure
+
+    @contextmanager
+    def session(self) -> Iterator[Callable[[int], bool]]:
+        """Snapshot the training state, yield ``fits(size)``, and always restore on the way out."""
+        if self._sharded is not None:
+            self._sharded.prepare()
+        self._snapshot = capture_run_state(self.trainer, self.pl_module, training=self.stage == "train")
+        self._trials_run = 0
+        try:
+            yield self.fits
+        finally:
+            self._snapshot.restore()
+            self._snapshot = None
+            if self._sharded is not None:
+                self._sharded.prepare()  # an evaluation probe leaves FSDP2's root unsharded: as before the search
+            _free_memory(collect=False)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return 0 if self._snapshot is None else self._snapshot.nbytes
+
+    def fits(self, size: int) -> bool:
+        """Run one trial at ``size``; False when it runs out of memory or exceeds the budget."""
+        return self.measure(size)[0]
+
+    def time(self, size: int, steps: int | None = None) -> tuple[bool, list[float]]:
+        """Run one trial at ``size`` for its timings alone: ``(fits, steady step seconds)``.
+
+        For sizes already known to fit (below the largest that fit), so no budget applies. On a CPU the
+        memory tracker slows every operator and would distort the timings, so it is left off here.
+        ``steps`` (at least ``steps_per_trial``) runs more steps in this trial: a median of more steps
+        is what separates sizes whose rates differ by a few percent.
+        """
+        self._untracked = True
+        planned = self.steps_per_trial
+        self.steps_per_trial = max(planned, steps or planned)
+        try:
+            ok, _ = self.measure(size)
+        finally:
+            self._untracked = False
+            self.steps_per_trial = planned
+        return ok, steady(self.step_times[-1])
+
+    def measure(self, size: int) -> tuple[bool, int | None]:
+        """Run one trial at ``size``: whether it fits, and its peak memory when measurable.
+
+        A trial fails on an out-of-memory error or a peak above the budget; any other error propagates
+        after the state is restored. Under DDP every rank runs the trial, then the outcome is agreed in
+        exactly one collective call whatever happened locally: the trial fits only if it fit on every
+        rank, the peak is the largest rank's, and an error on any rank is raised on all of them. Under
+        FSDP2 a rank whose trial fails stops the others at their next collective (``"peer"``: they
+        stopped because another rank failed), so every rank reaches that agreement.
+        """
+        status, peak, error = self._local_trial(size)
+        message = "" if error is None else f"{type(error).__name__}: {error}"
+        times = self._times if status == "fits" else None
+        gathered = compat.all_gather_object(self.trainer, (status, peak, message, times))
+        outcomes = [(state, rank_peak, text) for state, rank_peak, text, _ in gathered]
+        failed = [(rank, text) for rank, (state, _, text) in enumerate(outcomes) if state == "error"]
+        if failed:
+            if error is not None:
+                raise error
+            rank, text = failed[0]
+            raise RetuneError(f"rank {rank} failed during a batch-size probe at size {size}: {text}")
+        ok = all(state == "fits" for state, _, _ in outcomes)
+        peaks = [p for _, p, _ in outcomes]
+        agreed_peak = max(p for p in peaks if p is not None) if ok and all(p is not None for p in peaks) else None
+        if ok and agreed_peak is not None and self.budget_bytes is not None and agreed_peak > self.budget_bytes:
+            ok = False  # ran, but needs more than the budget allows
+        self.peaks.append(agreed_peak)
+        agreed_times = _slowest_rank([t for _, _, _, t in gathered]) if ok else None
+        self.step_times.append(agreed_times)
+        if self.on_trial is not None:
+            self.on_trial(size, ok, agreed_peak, samples_per_second(size, steady(agreed_times)))
+        return ok, agreed_peak
+
+    def _local_trial(self, size: int) -> tuple[str, int | None, BaseException | None]:
+        """This process's trial: ``("fits" | "oom" | "error", peak, the error to re-raise)``."""
+        assert self._snapshot is not None, "measure() is only valid inside session()"
+        compat.set_batch_attr(self.trainer, self.pl_module, self.batch_arg_name, size)
+        generators: list[tuple[torch.Generator, torch.Tensor]] = []
+        status, error, peak = "fits", None, None
+        self._times = None
+        try:
+            with self._isolated():
+                if self._trials_run:
+                    self._snapshot.reset()  # start from the captured state, not the previous trial's
+                self._trials_run += 1
+                loader = compat.request_dataloader(self.trainer, self.stage)
+                generators = [(g, g.get_state()) for g in sampler_generators(loader)]
+                if self.arrange is not None:
+                    loader = self.arrange(loader)
+                with compat.hooks_isolated(self.trainer, self.pl_module, self.stage):
+                    peak = self._run_steps(loader, size)
+        except BaseException as exc:
+            if isinstance(exc, PeerFailed):
+                status = "peer"
+            elif is_oom_error(exc):
+                status = "oom"
+            else:
+                status, error = "error", exc
+        finally:
+            if self.stage == "train":
+                for optimizer in self.trainer.optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+            loader = None
+            _free_memory(collect=status == "oom")
+            for generator, state in generators:
+                generator.set_state(state)
+        return status, (peak if status == "fits" else None), error
+
+    def _isolated(self) -> Any:
+        return nullcontext() if self._sharded is None else self._sharded.trial()
+
+    def _run_steps(self, loader: Any, size: int) -> int | None:
+        """Run the steps; return the largest step peak (None when not tracked or not measurable).
+
+        An evaluation stage with several dataloaders runs ``steps_per_trial`` steps on each, one loader
+        after another as Lightning does, so the trial fits only if every loader's steps fit, and its
+        peak is the largest of them: one size for all the stage's loaders.
+
+        Only the step is measured, from the device transfer on: the dataloader's own work (collate,
+        per-sample conversion) is host-side and, under the CPU tracker, slow to trace. On CPU the
+        batch the loader produced is added to the step's peak, since there it is the step's memory.
+
+        With ``time_steps`` each step whose batch holds ``size`` samples is timed: a short last batch of
+        a small dataset (the loader cycles) would time another size.
+        """
+        batches = compat.probe_batches(self.trainer, self.stage, loader, self.steps_per_trial)  # close() ends workers
+        device = self.pl_module.device
+        optimizers = list(self.trainer.optimizers) if self.stage == "train" else []
+        if self.stage != "train":
+            self.pl_module.eval()  # the snapshot puts the train/eval flags back
+        peak: int | None = None
+        track = self.track_memory and not (self._untracked and device.type == "cpu")
+        # the CPU tracker's Python dispatch slows every operator: steps it measures are not timed
+        times: list[float] | None = [] if self.time_steps and not (track and device.type == "cpu") else None
+        self._times = times
+        try:
+            for raw, batch_idx, dataloader_idx in batches:
+                with ExitStack() as stack:
+                    reading = stack.enter_context(measure_peak(device, self.pl_module, optimizers)) if track else None
+                    if times is not None and _holds(raw, size):
+                        stack.enter_context(timed(device, self.clock, times))
+                    batch = compat.batch_to_device(self.trainer, self.pl_module, raw, dataloader_idx)
+                    compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx, dataloader_idx)
+                if reading is None:
+                    del batch, raw
+                    continue
+                step_peak = reading.peak_bytes
+                if step_peak is not None and device.type == "cpu":
+                    step_peak += tensor_bytes(raw)
+                del batch, raw
+                if step_peak is not None:
+                    peak = step_peak if peak is None else max(peak, step_peak)
+        finally:
+            batches.close()
+        return peak
+
+
+def _holds(batch: Any, size: int) -> bool:
+    """Whether ``batch`` holds ``size`` samples (True when its length cannot be told)."""
+    try:
+        length = batch_length(batch)
+    except SplitError:
+        return True
+    return length is None or length == size
+
+
+def _slowest_rank(per_rank: list[list[float] | None]) -> list[float] | None:
+    """Step by step, the slowest rank's seconds: under DDP every rank waits for the slowest at each step.
+
+    None when any rank has no timings (steps not timed); truncated to the rank with the fewest steps.
+    """
+    if not per_rank or any(times is None for times in per_rank):
+        return None
+    return [max(step) for step in zip(*[t for t in per_rank if t is not None], strict=False)]

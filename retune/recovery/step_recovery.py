@@ -1,0 +1,712 @@
+"""Recover a real training step that ran out of memory by training the same batch in micro-batches.
+
+Why here and not in the loop: the step's closure (forward, zero_grad, backward) is the one place
+that sees both an OOM in forward and one in backward, and the optimizer step that follows it
+(gradient clipping, the AMP grad scaler, the scheduler) is left to Lightning unchanged. The glue
+in :mod:`retune.compat` hands this module the closure's three parts as plain callables, so the
+logic below is free of Lightning.
+
+What a recovered step guarantees:
+
+* **the same update.** Micro-batch ``i`` has its loss weighted by its share of the batch: of the
+  samples (``loss_reduction: mean``), of the items a token-mean loss averages over
+  (``token_mean``, :mod:`retune.recovery.loss_items`), or 1 (``sum``); gradients accumulate inside the one
+  optimizer step, so the update equals the whole batch's up to float rounding. The step's outputs
+  and logged values are the whole batch's too (:class:`StepParts` ``join`` and ``logs``).
+* **no trace of the failed attempt.** An OOM in forward has produced no gradient; what it logged
+  and the BatchNorm statistics it updated are taken back. An OOM in backward leaves some
+  parameters holding this batch's complete gradient (autograd accumulates a parameter's gradient
+  once, when all of it is known) and the rest untouched: :class:`FinishedGradients` finds which
+  after the failure, those keep what they got, and only the others are computed again, with the
+  finished ones frozen (no second contribution, no memory for their gradients). Gradients already
+  accumulated from earlier batches of an accumulation window are set aside while micro-batches run
+  (moved to host memory when they live on an accelerator) and added back after, so a micro-batch
+  that runs out of memory too can be dropped whole.
+* **every sample once.** A round of micro-batches that runs out of memory halves the largest
+  micro-batch size and trains the whole batch again from the set-aside state; a batch whose
+  pieces cannot shrink further (one sample; two for BatchNorm models) raises
+  :class:`~retune.errors.RetuneError` with the gradients as they were before the step.
+* **only the splittable sites.** An OOM is located by the hook it came from
+  (:mod:`retune.recovery.oom_sites`); one raised where a smaller batch would not help is re-raised with a note.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+
+from retune import messages
+from retune.errors import RetuneError
+from retune.oom import is_oom_error
+from retune.recovery.loss_items import ItemsFn, count_items, resolve_items_fn, token_labels_hint
+from retune.recovery.oom_sites import SPLITTABLE, add_note, oom_site, why_not_recovered
+from retune.recovery.running_stats import RunningStats, needs_two_samples
+from retune.recovery.split import SplitError, SplitFn, batch_length, join_outputs, pieces_for, split_batch
+
+LossReduction = Literal["mean", "sum", "token_mean"]
+
+
+def free_accelerator_memory() -> None:
+    """Give the failed attempt's blocks back before the smaller attempt, so it does not fail for fragmentation.
+
+    ``gc.collect`` (reference cycles through the exception's frames can hold the activations) costs
+    about 0.2 s in a process that imported Lightning, so it runs only where a device allocator keeps
+    the blocks; on CPU the failed step's tensors are freed by reference counting when the exception is.
+    """
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+class _KeptSplit:
+    """The split a recovery keeps for the rest of the loop once a batch needed it (training and evaluation)."""
+
+    max_size: int | None  # the largest micro-batch (samples) for the rest of the loop
+    pieces: int  # the same, for micro-batches that do not tell their size (a custom split_batch)
+    on_recovered: Callable[[Recovered], None] | None
+
+    def _keep(self, micro: list[Any], sized: bool, total: int | None, failed_in: str) -> None:
+        """Remember the split that worked and report the recovery (``failed_in``: where the batch failed).
+
+        The largest micro-batch is kept where sizes are known, not the number of pieces: a later, shorter
+        batch (the epoch's last, a short length bucket) is then cut no more than it needs.
+        """
+        largest = _largest(micro)
+        if sized and largest is not None:
+            self.max_size = largest if self.max_size is None else min(self.max_size, largest)
+        else:
+            self.pieces = max(self.pieces, len(micro))
+        if failed_in and self.on_recovered is not None:
+            self.on_recovered(Recovered(total or 0, len(micro), failed_in, largest))
+
+
+class EvalStepRecovery(_KeptSplit):
+    """Wraps a ``validation_step``/``test_step``/``predict_step``: an OOM re-runs the batch in micro-batches.
+
+    Without gradients nothing has to be undone; the micro-batches' outputs are joined along the batch
+    dimension (:func:`~retune.recovery.split.join_outputs`: predictions come back whole) and their ``self.log``
+    values are weighted by their own sizes, so metrics cover every sample once. As in training, the
+    split is kept for the rest of the loop once a batch needed it.
+    """
+
+    def __init__(
+        self,
+        step: Callable[..., Any],
+        logging: Callable[[Any], Any],
+        split_fn: SplitFn | None = None,
+        on_recovered: Callable[[Recovered], None] | None = None,
+        where: Callable[[], str] = lambda: "",
+        save_logs: Callable[[], Callable[[], None]] = lambda: lambda: None,
+        journal_logs: Callable[[], tuple[Callable[[], None], Callable[[], None]]] | None = None,
+    ) -> None:
+        self.step = step
+        self.save_logs = save_logs
+        self.journal_logs = journal_logs
+        self.logging = logging
+        self.split_fn = split_fn
+        self.on_recovered = on_recovered
+        self.where = where
+        self.max_size: int | None = None  # the kept split: largest micro-batch (samples) for the rest of the loop
+        self.pieces = 1  # the same, for micro-batches that do not tell their size (a custom split_batch)
+
+    def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        failed_in = ""
+        known = self.max_size is not None and self.split_fn is None
+        if self.pieces == 1 and (not known or (_samples_or_none(batch) or 0) <= (self.max_size or 0)):
+            rollback_logs, stop_journal = self.journal_logs() if self.journal_logs is not None else (_none, _none)
+            try:
+                return self.step(batch, *args, **kwargs)
+            except BaseException as exc:
+                if not is_oom_error(exc):
+                    raise
+            finally:
+                stop_journal()
+            rollback_logs()  # what the failed step logged before it ran out of memory
+            free_accelerator_memory()
+            failed_in = "forward"
+        total = batch_length(batch) if self.split_fn is None else None
+        if total is not None:
+            pieces = pieces_for(total, self.max_size if not failed_in and self.max_size else -(-total // 2))
+        else:
+            pieces = max(2, self.pieces)
+        tried = 1 if failed_in else 0
+        while True:
+            micro = split_batch(batch, pieces, self.split_fn)
+            if tried and len(micro) <= tried:
+                if _all_single(micro):
+                    raise RetuneError(
+                        f"the evaluation step at {self.where() or 'this step'} ran out of memory on a batch of "
+                        f"{total if total is not None else len(micro)} samples, and still did in micro-batches of "
+                        "one sample: one sample does not fit in memory"
+                    )
+                raise RetuneError(f"split_batch gives no more pieces than {tried} for {pieces}")
+            restore_logs = self.save_logs()
+            outputs = self._run(micro, args, kwargs)
+            if outputs is not None:
+                break
+            restore_logs()
+            free_accelerator_memory()
+            tried = len(micro)
+            pieces = pieces * 2 if total is None else min(pieces * 2, total)
+        if not failed_in and tried:
+            failed_in = "a micro-batch"
+        self._keep(micro, total is not None, total, failed_in)
+        return join_outputs(outputs, [_samples(m) for m in micro])
+
+    def _run(self, micro: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any] | None:
+        outputs: list[Any] = []
+        try:
+            for part in micro:
+                with self.logging(part):
+                    outputs.append(self.step(part, *args, **kwargs))
+        except BaseException as exc:
+            if not is_oom_error(exc):
+                raise
+            return None
+        return outputs
+
+
+class FinishedGradients:
+    """Which parameters received their gradient in a backward pass that ran out of memory.
+
+    Autograd accumulates a parameter's gradient once, when all of it is known. Nothing is noted on a
+    step that starts an accumulation window (every step, without accumulation): its ``zero_grad``
+    has just set the gradients to None (torch's default) or to zeros, so after a failed backward the
+    parameters holding a gradient that is not None and not all zeros are the finished ones (a
+    finished gradient that is exactly zero is recomputed as zero: no harm). Inside a window the
+    gradients hold the earlier batches' sums, so :meth:`take` notes each gradient tensor and its
+    version counter right before backward (no copy, no hook) and :meth:`collect` compares. The
+    trainable parameters of that note are listed at :meth:`rearm` (each epoch start); one unfrozen
+    since is judged by the first rule.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.ids: set[int] = set()
+        self.trainable: list[torch.nn.Parameter] = []
+        self._before: list[tuple[torch.Tensor | None, int]] | None = None
+        self.rearm(params)
+
+    def rearm(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """List the trainable parameters again (an unfreeze)."""
+        self.trainable = [p for p in params if p.requires_grad]
+
+    def take(self) -> None:
+        self._before = [(g, g._version) if (g := p.grad) is not None else (None, 0) for p in self.trainable]
+
+    def forget(self) -> None:
+        self._before = None
+
+    def collect(self, params: Sequence[torch.nn.Parameter], noted_now: bool) -> None:
+        """``ids``: the parameters among ``params`` that received their gradient since the step's ``zero_grad``
+        (or, ``noted_now``, since this step's :meth:`take`)."""
+        noted: dict[int, tuple[torch.Tensor | None, int]] = {}
+        if noted_now and self._before is not None:
+            noted = {id(p): before for p, before in zip(self.trainable, self._before, strict=True)}
+        self.ids = set()
+        for p in params:
+            g = p.grad
+            before = noted.get(id(p))
+            if before is not None:
+                changed = g is not before[0] or (g is not None and g._version != before[1])
+            else:
+                changed = g is not None and bool(g.detach().any())
+            if changed:
+                self.ids.add(id(p))
+        self._before = None
+
+    def remove(self) -> None:
+        self.trainable, self._before = [], None
+        self.ids.clear()
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What one recovered (or proactively split) step did."""
+
+    samples: int
+    pieces: int
+    """How many micro-batches the batch finally trained as."""
+    failed_in: str
+    """``forward``, ``backward``, ``a micro-batch`` or the hook that ran out of memory (``on_before_backward``)."""
+    micro_size: int | None = None
+    """The largest micro-batch's samples (None when the micro-batches do not tell their size)."""
+
+
+class MicroLogs(Protocol):
+    """Where a recovered training step's ``self.log`` calls go (the Lightning side: :mod:`retune.step_logs`)."""
+
+    def record(self, micro: Any) -> AbstractContextManager[Any]:
+        """Around one micro-batch's step: its logged values are recorded, not applied."""
+
+    def discard(self, micro: Any) -> AbstractContextManager[Any]:
+        """Around one micro-batch's step whose values the whole batch already logged: dropped."""
+
+    def commit(self, weights: Sequence[float], samples: Sequence[int | None], add: bool = False) -> None:
+        """Apply the recorded values once, each key's combined as the whole batch's (weighted like the loss;
+        ``add``: the loss is a sum, and so is a mean-reduced value's whole-batch form)."""
+
+    def clear(self) -> None:
+        """Forget what was recorded (a round of micro-batches ran out of memory)."""
+
+
+class _NoLogs:
+    def record(self, micro: Any) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def discard(self, micro: Any) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def commit(self, weights: Sequence[float], samples: Sequence[int | None], add: bool = False) -> None:
+        return None
+
+    def clear(self) -> None:
+        return None
+
+
+class StepParts:
+    """The three parts of one step's closure, as Lightning built them, plus how to run the step on a micro-batch."""
+
+    def __init__(
+        self,
+        batch: Any,
+        forward: Callable[[Any], Any],
+        zero_grad: Callable[[], None] | None,
+        backward: Callable[[torch.Tensor], None] | None,
+        loss_of: Callable[[Any], torch.Tensor | None],
+        with_loss: Callable[[Any, torch.Tensor | None], Any],
+        logs: MicroLogs | None = None,
+        join: Callable[[Sequence[Any], Sequence[int | None]], Any] | None = None,
+        where: Callable[[], str] = lambda: "",
+        save_logs: Callable[[], Callable[[], None]] = lambda: lambda: None,
+        journal_logs: Callable[[], tuple[Callable[[], None], Callable[[], None]]] | None = None,
+    ) -> None:
+        self.batch = batch
+        self.forward = forward  # the step on a (micro-)batch: returns the loop's step result
+        self.zero_grad = zero_grad
+        self.backward = backward
+        self.loss_of = loss_of  # the loss tensor (with graph) in a step result
+        self.with_loss = with_loss  # the step result with another loss
+        self.logs: MicroLogs = logs if logs is not None else _NoLogs()
+        self.join = join  # the micro-batches' step results as one (outputs joined); None: the last one
+        self.where = where  # "epoch 2, global step 40", for error messages: built only when one is raised
+        self.save_logs = save_logs  # returns a function that puts the logged metrics back as they are now
+        self.journal_logs = journal_logs  # starts recording what self.log changes: (rollback, stop)
+
+
+class TrainStepRecovery(_KeptSplit):
+    """Runs each training step's closure, and re-runs a step that ran out of memory in micro-batches.
+
+    The split a recovery needed is kept for the rest of the epoch as a *largest micro-batch size*
+    (``max_size``): the following batches are as large, and an OOM costs a full forward (and maybe
+    backward) on the device, so a later batch larger than that size is split up front, while one
+    that is not (a short last batch) runs whole. ``pieces`` is the same for micro-batches that do not
+    tell their size (a custom ``split_batch``). :meth:`new_epoch` sets both back when the search at
+    the epoch start has applied a size that fits.
+    """
+
+    def __init__(
+        self,
+        params: Callable[[], Sequence[torch.nn.Parameter]],
+        split_fn: SplitFn | None = None,
+        loss_reduction: LossReduction = "mean",
+        on_recovered: Callable[[Recovered], None] | None = None,
+        items_fn: ItemsFn | None = None,
+        module: torch.nn.Module | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
+        self._params = params
+        self.split_fn = split_fn
+        self.loss_reduction = loss_reduction
+        self.items_fn = items_fn if items_fn is not None else resolve_items_fn(None)
+        self.on_recovered = on_recovered
+        self.module = module
+        self.warn = warn if warn is not None else _warn
+        self.max_size: int | None = None
+        self.pieces = 1
+        self.finished = FinishedGradients(params())
+        self.stats = _running_stats(module)
+        self._first_batch = True
+
+    def close(self) -> None:
+        self.finished.remove()
+
+    def new_epoch(self, keep_split: bool = False) -> None:
+        """Whole batches again (the search has just applied a size), and the model's layers as they are now.
+
+        ``keep_split``: the epoch start of a run resumed mid-epoch from a checkpoint with a kept split."""
+        if not keep_split:
+            self.max_size, self.pieces = None, 1
+        self.finished.rearm(self._params())
+        self.stats = _running_stats(self.module)
+
+    def run(self, step: StepParts) -> Any:
+        """The closure's body: forward, zero_grad, backward; on an OOM, the same batch in micro-batches."""
+        finished = self.finished
+        if self._first_batch:
+            self._first_batch = False
+            self.check_batch(step.batch)
+        if self.max_size is not None or self.pieces > 1:
+            kept = self._kept_split(step.batch)
+            if kept is not None:
+                return self._in_pieces(step, kept, forward_done=False, zero_done=False, failed_in="")
+        stats = self.stats
+        if stats is not None:
+            stats.save()
+        forward_done = zero_done = backward_started = False
+        rollback_logs, stop_journal = step.journal_logs() if step.journal_logs is not None else (_none, _none)
+        try:
+            result = step.forward(step.batch)
+            forward_done = True
+            stop_journal()
+            if step.zero_grad is not None:
+                step.zero_grad()
+            zero_done = True
+            loss = step.loss_of(result)
+            if step.backward is not None and loss is not None:
+                if step.zero_grad is None:
+                    finished.take()  # inside an accumulation window: note the gradients of the earlier batches
+                backward_started = True
+                step.backward(loss)
+            return result
+        except BaseException as exc:
+            stop_journal()
+            if not is_oom_error(exc):
+                raise
+            site = oom_site(exc.__traceback__)
+            if site is not None and site not in SPLITTABLE:
+                add_note(exc, why_not_recovered(site))
+                raise
+        # outside the except block: the exception and the frames holding the failed step's tensors are gone
+        result = loss = None
+        if backward_started:
+            finished.collect([p for p in self._params() if p.requires_grad], noted_now=step.zero_grad is None)
+        else:
+            finished.ids.clear()
+            finished.forget()
+        if not forward_done:
+            rollback_logs()  # what the failed forward logged before it ran out of memory
+            if stats is not None:
+                stats.restore()  # and its BatchNorm updates: the micro-batches update them instead
+        free_accelerator_memory()
+        failed_in = (site if site not in (None, "training_step", "backward") else None) or (
+            "backward" if forward_done else "forward"
+        )
+        return self._in_pieces(step, None, forward_done, zero_done, failed_in)
+
+    def check_batch(self, batch: Any) -> None:
+        """At fit start (the first batch): can this batch be split, and counted as the loss needs?
+
+        Found here, a batch retune cannot split fails before any training, with the field and the way
+        out in the message, instead of at the first OOM hours into the run.
+        """
+        if self.split_fn is None:
+            try:
+                total = batch_length(batch)
+                if total is None:
+                    split_batch(batch, 2)  # raises the message that says why
+            except SplitError as exc:
+                raise SplitError(
+                    "the `oom` trigger checks at fit start that it can split a training batch into micro-batches, "
+                    f"should a step run out of memory: {exc}"
+                ) from None
+            if total == 1:
+                self.warn(
+                    "the first training batch holds one sample along its first dimension (a packed (1, tokens) "
+                    "batch?): the `oom` trigger cannot split it, so a step that runs out of memory stops the run. "
+                    "Pass ScheduledBatchSizeFinder(split_batch=fn) to cut such a batch another way"
+                )
+        if self.loss_reduction == "token_mean":
+            count_items(self.items_fn, batch)  # raises naming what is missing and the way out
+        elif self.loss_reduction == "mean" and token_labels_hint(batch):
+            self.warn(
+                "the training batch's `labels` are per token with ignored (-100) positions: a Hugging Face "
+                "token-classification, masked-LM or causal-LM loss averages over the labelled tokens, not the "
+                "samples. Set `loss_reduction: token_mean` on the oom trigger (causal LM: also `loss_items: "
+                "shifted_labels`), or a step recovered in micro-batches weighs them by samples and its update "
+                "differs from the whole batch's"
+            )
+
+    def _kept_split(self, batch: Any) -> tuple[int | None, int] | None:
+        """``(max_size, pieces)`` for a batch the kept split cuts up front, None for one that runs whole."""
+        total = _samples_or_none(batch) if self.max_size is not None else None
+        if total is not None and self.max_size is not None:
+            return (self.max_size, 0) if total > self.max_size else None
+        return (None, self.pieces) if self.pieces > 1 else None
+
+    def _min_size(self) -> int:
+        return 2 if self.module is not None and needs_two_samples(self.module) else 1
+
+    def _in_pieces(
+        self,
+        step: StepParts,
+        kept: tuple[int | None, int] | None,
+        forward_done: bool,
+        zero_done: bool,
+        failed_in: str,
+    ) -> Any:
+        total = batch_length(step.batch) if self.split_fn is None else _samples_or_none(step.batch)
+        if total is None and self.split_fn is None:
+            split_batch(step.batch, 2)  # raises SplitError naming the type and the way out
+        min_size = self._min_size()
+        if total is not None and total <= 1:
+            raise RetuneError(
+                f"the training step at {step.where() or 'this step'} ran out of memory on a batch of one sample "
+                "along its first dimension, which retune cannot split (a packed (1, tokens) batch?). Pass "
+                "ScheduledBatchSizeFinder(split_batch=fn) to cut it another way, or free memory (freeze more "
+                "layers, lower precision, shorter inputs)"
+            )
+        # the largest micro-batch size to try first, or the number of pieces when sizes are unknown
+        # the whole batch failed (one try, at its full size) unless this is the kept split of a later batch
+        tried, failed_largest = (0, None) if kept is not None else (1, total)
+        if kept is not None:
+            size, pieces = kept
+        elif total is not None:
+            size, pieces = max(min_size, -(-total // 2)), 0
+        else:
+            size, pieces = None, max(2, self.pieces)
+        if step.zero_grad is not None and not zero_done:
+            try:
+                step.zero_grad()  # the window starts with this batch; the failed forward never reached it
+            except BaseException as exc:
+                if is_oom_error(exc):
+                    add_note(exc, why_not_recovered(oom_site(exc.__traceback__)))
+                raise
+        params = [p for p in self._params() if p.requires_grad]
+        # parameters whose complete gradient for this batch the failed backward already accumulated
+        done = [p for p in params if id(p) in self.finished.ids] if forward_done else []
+        pending = [p for p in params if id(p) not in self.finished.ids] if forward_done else params
+        aside = _GradientsAside(pending)
+        stats = self.stats
+        if stats is not None:
+            # before the step (a failed forward's updates are already taken back), or after the whole batch's
+            # forward, which updated them as the run with memory did: each round of micro-batches starts there
+            stats.save()
+        for p in done:
+            p.requires_grad_(False)
+        try:
+            while True:
+                count = pieces_for(total, size, min_size) if total is not None and size is not None else pieces
+                micro = split_batch(step.batch, count, self.split_fn)
+                largest = _largest(micro)
+                no_progress = (
+                    len(micro) <= tried if failed_largest is None or largest is None else largest >= failed_largest
+                )
+                if tried and no_progress:
+                    aside.put_back()
+                    if step.zero_grad is not None:
+                        for p in done:
+                            p.grad = None  # the window started with this batch: nothing came before it
+                    raise RetuneError(self._cannot_split_further(step, total, micro, failed_largest, min_size))
+                restore_logs = step.save_logs() if not forward_done else None
+                try:
+                    outcome = self._train_micro(step, micro, keep_logs=not forward_done, frozen=bool(done))
+                except BaseException:
+                    aside.drop_new()
+                    aside.put_back()  # another error: the gradients set aside are not lost with it
+                    raise
+                if outcome is not None:
+                    break
+                step.logs.clear()
+                if restore_logs is not None:
+                    restore_logs()  # the micro-batches that ran before this round failed log again in the next
+                if stats is not None:
+                    stats.restore()
+                aside.drop_new()
+                free_accelerator_memory()
+                tried, failed_largest = len(micro), largest
+                if size is not None and largest is not None:
+                    size = max(1, -(-largest // 2))
+                else:
+                    size, pieces = None, max(pieces, len(micro)) * 2
+                    pieces = pieces if total is None else min(pieces, total)
+        finally:
+            for p in done:
+                p.requires_grad_(True)
+        if forward_done and stats is not None:
+            stats.restore()  # the micro-batches' forwards must not update them a second time
+        aside.merge()
+        if not failed_in and tried:
+            failed_in = "a micro-batch"  # the kept split was not enough for this batch
+        self._keep(micro, size is not None, total, failed_in)
+        results, loss = outcome
+        result = step.join(results, [_samples_or_none(m) for m in micro]) if step.join is not None else results[-1]
+        return step.with_loss(result, loss)
+
+    def _cannot_split_further(
+        self, step: StepParts, total: int | None, micro: list[Any], failed_largest: int | None, min_size: int
+    ) -> str:
+        where = step.where() or "this step"
+        samples = total if total is not None else len(micro)
+        if min_size > 1 and failed_largest is not None and failed_largest <= 3:
+            pieces = f", and in micro-batches of {failed_largest}" if failed_largest != samples else ""
+            return (
+                f"the training step at {where} ran out of memory on a batch of {samples} samples{pieces}; smaller "
+                "micro-batches would hold one sample, and the model has BatchNorm layers in training mode, which "
+                "cannot train on one sample (BatchNorm1d raises, the others normalise a sample by itself), so retune "
+                "stops here. Free memory (freeze more layers, lower precision, smaller inputs), or put the BatchNorm "
+                "layers in eval mode"
+            )
+        if (failed_largest is not None and failed_largest <= 1) or _all_single(micro):
+            return (
+                f"the training step at {where} ran out of memory on a batch of {samples} samples, and still did in "
+                "micro-batches of one sample: one sample does not fit in memory. Free memory (freeze more layers, "
+                "lower precision, shorter inputs) to go on"
+            )
+        return (
+            f"the training step at {where} ran out of memory in {len(micro)} micro-batches and split_batch gives no "
+            "more, smaller pieces; return more, smaller ones"
+        )
+
+    def _train_micro(
+        self, step: StepParts, micro: list[Any], keep_logs: bool, frozen: bool
+    ) -> tuple[list[Any], torch.Tensor] | None:
+        """Forward and backward of every micro-batch; None when one runs out of memory where a split helps."""
+        combined: torch.Tensor | None = None
+        results: list[Any] = []
+        weights = _weights(micro, self.loss_reduction, self.items_fn)
+        logs = step.logs
+        try:
+            for part, weight in zip(micro, weights, strict=True):
+                with logs.record(part) if keep_logs else logs.discard(part):
+                    result = step.forward(part)
+                loss = step.loss_of(result)
+                if loss is not None:
+                    # a piece with no counted items adds nothing (and its loss may be 0/0 = NaN: never backward it);
+                    # with the finished layers frozen a loss may need no gradient at all
+                    needs_backward = weight != 0.0 and (loss.requires_grad or not frozen)
+                    if step.backward is not None and needs_backward:
+                        step.backward(loss * weight)
+                    share = loss.detach() * weight if weight != 0.0 else torch.zeros_like(loss.detach())
+                    combined = share if combined is None else combined + share
+                results.append(result)
+                del result, loss
+        except BaseException as exc:
+            if not is_oom_error(exc):
+                raise
+            site = oom_site(exc.__traceback__)
+            if site is not None and site not in SPLITTABLE:
+                add_note(exc, why_not_recovered(site))
+                raise
+            return None
+        if keep_logs:
+            logs.commit(weights, [_samples_or_none(m) for m in micro], self.loss_reduction == "sum")
+        return results, (combined if combined is not None else torch.zeros(()))
+
+
+def _none() -> None:
+    return None
+
+
+def _samples(micro: Any) -> int | None:
+    """Samples in a micro-batch: its tensors' shared first dimension, else ``len()``, else unknown."""
+    try:
+        found = batch_length(micro)
+    except TypeError:
+        found = None
+    if found is None:
+        try:
+            found = len(micro)
+        except TypeError:
+            return None
+    return found
+
+
+def _all_single(micro: Sequence[Any]) -> bool:
+    """True when every micro-batch holds one sample (a split cannot go further)."""
+    sizes = [_samples(m) for m in micro]
+    return all(n is not None and n <= 1 for n in sizes)
+
+
+def _weights(micro: Sequence[Any], reduction: LossReduction, items_fn: ItemsFn | None = None) -> list[float]:
+    """Each micro-batch's loss weight: its share of the samples for a mean loss (equal shares when a custom
+    micro-batch does not tell its size), its share of the counted items for a token mean (0 for every piece
+    of a batch with none: no division by zero), 1 for a sum."""
+    if reduction == "sum":
+        return [1.0] * len(micro)
+    if reduction == "token_mean":
+        counts = [count_items(items_fn or resolve_items_fn(None), m) for m in micro]
+        items = sum(counts)
+        return [c / items if items else 0.0 for c in counts]
+    sizes = [_samples(m) for m in micro]
+    if any(n is None for n in sizes):
+        messages.warn(
+            "retune cannot tell how many samples the micro-batches from split_batch hold (no tensors with a "
+            "batch dimension, no len()); their losses are weighted equally, which equals the whole batch's "
+            "update only when the pieces are equal. Give the micro-batch type a __len__."
+        )
+        return [1.0 / len(micro)] * len(micro)
+    total = sum(n or 0 for n in sizes) or 1
+    return [(n or 0) / total for n in sizes]
+
+
+def _largest(micro: Sequence[Any]) -> int | None:
+    sizes = [_samples_or_none(m) for m in micro]
+    return None if any(n is None for n in sizes) else max(n or 0 for n in sizes)
+
+
+def _samples_or_none(micro: Any) -> int | None:
+    try:
+        return _samples(micro)
+    except TypeError:
+        return None
+
+
+def _running_stats(module: torch.nn.Module | None) -> RunningStats | None:
+    """The module's BatchNorm statistics to guard, or None when it has none (nothing to copy per step)."""
+    stats = RunningStats(module) if module is not None else None
+    return stats if stats else None
+
+
+def _warn(message: str) -> None:
+    messages.warn(message)
+
+
+class _GradientsAside:
+    """Gradients of ``params`` set aside while micro-batches accumulate fresh ones, then added back."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
+        self.params = list(params)
+        self.saved: list[tuple[torch.Tensor | None, torch.device | None]] = []
+        for p in self.params:
+            grad = p.grad
+            if grad is None:
+                self.saved.append((None, None))
+            elif grad.device.type == "cpu":
+                self.saved.append((grad, None))
+            else:
+                self.saved.append((grad.to("cpu"), grad.device))  # frees device memory for the micro-batches
+            p.grad = None
+        self.was_empty = all(g is None for g, _ in self.saved)
+
+    def drop_new(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def put_back(self) -> None:
+        for p, (grad, device) in zip(self.params, self.saved, strict=True):
+            p.grad = None if grad is None else grad if device is None else grad.to(device)
+
+    def merge(self) -> None:
+        for p, (grad, device) in zip(self.params, self.saved, strict=True):
+            if grad is None:
+                continue
+            old = grad if device is None else grad.to(device)
+            if p.grad is not None:
+                old.add_(p.grad)
+            p.grad = old
+
+
+__all__ = [
+    "EvalStepRecovery",
+    "FinishedGradients",
+    "LossReduction",
+    "MicroLogs",
+    "Recovered",
+    "StepParts",
+    "TrainStepRecovery",
+]

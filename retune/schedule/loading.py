@@ -1,0 +1,258 @@
+"""Turn a path, dict or model into a validated :class:`RetuneSchedule`, or a :class:`ScheduleError`.
+
+Parsing is done here rather than by pydantic so that every failure (missing file, syntax error
+with its line, duplicate YAML key, unknown key, bad value) becomes one message naming the file,
+the field path and what is allowed. Users fix configs from that message alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import tomllib
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
+
+from retune.errors import FieldProblem, ScheduleError
+from retune.schedule.models import TRIGGER_KINDS, FieldConflict, RetuneSchedule
+
+ScheduleSource = Union[str, Path, Mapping[str, Any], RetuneSchedule]
+
+SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml"}
+
+
+def load_schedule(source: ScheduleSource) -> RetuneSchedule:
+    """Return a validated, immutable schedule with defaults filled in.
+
+    Args:
+        source: a path to a ``.yaml``/``.yml``, ``.json`` or ``.toml`` file, a dict with the same
+            content, or an already validated :class:`RetuneSchedule` (returned as is).
+
+    Raises:
+        ScheduleError: naming the file (or ``<dict>``), the field path, the bad value and what is
+            allowed, for any problem from a missing file to an out-of-range number.
+    """
+    if isinstance(source, RetuneSchedule):
+        return source
+    if isinstance(source, Mapping):
+        return validate_data(dict(source), "<dict>")
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        return validate_data(read_schedule_file(path), str(path))
+    raise ScheduleError(
+        "<schedule>",
+        [FieldProblem("", f"expected a file path, a dict or a RetuneSchedule, got {type(source).__name__}")],
+    )
+
+
+def read_schedule_file(path: Path) -> dict[str, Any]:
+    """Read and parse one schedule file into plain data; raise ScheduleError naming the file."""
+    name = str(path)
+    fmt = SUFFIXES.get(path.suffix.lower())
+    if fmt is None:
+        raise ScheduleError(
+            name, [FieldProblem("", f"unknown file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}")]
+        )
+    if not path.exists():
+        raise ScheduleError(name, [FieldProblem("", "no such file")])
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # editors on Windows prepend a byte-order mark
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ScheduleError(name, [FieldProblem("", f"cannot read the file: {exc}")]) from None
+    data = _parse(text, fmt, name)
+    if not isinstance(data, dict):
+        raise ScheduleError(
+            name, [FieldProblem("", f"the top level must be a mapping of keys to values, got {_kind(data)}")]
+        )
+    return data
+
+
+def validate_data(data: dict[str, Any], source: str) -> RetuneSchedule:
+    """Validate already parsed data; ``source`` names it in error messages."""
+    try:
+        schedule = RetuneSchedule.model_validate(data)
+    except ValidationError as exc:
+        raise ScheduleError(source, [_problem(err) for err in exc.errors()]) from None
+    return schedule
+
+
+# -- parsing -----------------------------------------------------------------------------------
+
+
+class _StrictYamlLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys: YAML keeps the last one silently, losing the first."""
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _construct_mapping(loader: _StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == _MERGE_TAG:
+            continue  # `<<: *anchor` merges; keys written beside it legitimately override merged ones
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        try:
+            duplicate = key in seen
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a plain value, found {_kind(key)} (a missing `key:`?)", key_node.start_mark
+            ) from None
+        if duplicate:
+            message = f"duplicate key {key!r} (first on line {seen[key]}, again on line {line})"
+            raise yaml.constructor.ConstructorError(None, None, message, key_node.start_mark)
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _reject_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r}")
+        result[key] = value
+    return result
+
+
+def _parse(text: str, fmt: str, name: str) -> Any:
+    try:
+        if fmt == "yaml":
+            return yaml.load(text, Loader=_StrictYamlLoader)
+        if fmt == "json":
+            return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys)
+        return tomllib.loads(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        detail = " ".join(part for part in (exc.context, exc.problem) if part)
+        label = "YAML error" if isinstance(exc, yaml.constructor.ConstructorError) else "YAML syntax error"
+        raise ScheduleError(name, [FieldProblem("", f"{label} at {where}{detail}")]) from None
+    except yaml.YAMLError as exc:
+        raise ScheduleError(name, [FieldProblem("", f"YAML syntax error: {exc}")]) from None
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(
+            name, [FieldProblem("", f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}")]
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ScheduleError(name, [FieldProblem("", f"TOML syntax error: {exc}")]) from None
+    except ValueError as exc:  # duplicate JSON key
+        raise ScheduleError(name, [FieldProblem("", f"JSON error: {exc}")]) from None
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "an empty document"
+    if isinstance(value, list):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+# -- error messages ----------------------------------------------------------------------------
+
+
+_UNION_FIELDS = {"at", "every", "budget"}
+_UNION_MEMBER_NAMES = {"float", "str", "int", "none", "tuple[int,...]", "tuple[constrained-int,...]", "constrained-int"}
+
+
+def format_path(loc: Sequence[int | str]) -> str:
+    """``('triggers', 1, 'epoch', 'at')`` -> ``triggers[1].at`` (the union tag is not a user key)."""
+    out = ""
+    parts = list(loc)
+    for i, part in enumerate(parts):
+        if isinstance(part, int):
+            out += f"[{part}]"
+            continue
+        after_trigger_index = i >= 2 and parts[i - 2] == "triggers" and isinstance(parts[i - 1], int)
+        if after_trigger_index and part in TRIGGER_KINDS:
+            continue
+        after_union_field = i >= 1 and parts[i - 1] in _UNION_FIELDS
+        if after_union_field and (part.startswith("function-") or part in _UNION_MEMBER_NAMES):
+            continue  # pydantic's names for union members, not keys
+        out += f".{part}" if out else part
+    return out
+
+
+def _model_at(loc: Sequence[int | str], data_kind: str | None) -> type[BaseModel] | None:
+    """The model class whose keys are allowed at ``loc`` (for 'did you mean' hints)."""
+    model: type[BaseModel] = RetuneSchedule
+    parts = list(loc)
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        if part == "triggers":
+            from retune.schedule import models as sched
+
+            by_kind: dict[str, type[BaseModel]] = {
+                "fit_start": sched.FitStartTrigger,
+                "epoch": sched.EpochTrigger,
+                "param_groups_changed": sched.ParamGroupsChangedTrigger,
+                "trainable_params_changed": sched.TrainableParamsChangedTrigger,
+                "fts_phase": sched.FtsPhaseTrigger,
+                "oom": sched.OomTrigger,
+            }
+            kind = parts[i + 2] if i + 2 < len(parts) else data_kind
+            found = by_kind.get(str(kind))
+            if found is None:
+                return None
+            model = found
+            i += 3
+            continue
+        field = model.model_fields.get(str(part))
+        annotation = None if field is None else field.annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return model if i == len(parts) else None
+        model = annotation
+        i += 1
+    return model
+
+
+def _problem(err: ErrorDetails) -> FieldProblem:
+    loc = err["loc"]
+    conflict = err.get("ctx", {}).get("error")
+    if isinstance(conflict, FieldConflict):
+        loc = (*loc, conflict.field)
+    path = format_path(loc)
+    kind = err["type"]
+    value = err.get("input")
+    if kind == "extra_forbidden":
+        key = str(loc[-1])
+        model = _model_at(loc[:-1], None)
+        allowed = sorted(model.model_fields) if model is not None else []
+        hint = difflib.get_close_matches(key, allowed, n=1)
+        msg = f"unknown key {key!r}"
+        if hint:
+            msg += f" (did you mean {hint[0]!r}?)"
+        if allowed:
+            msg += f"; allowed keys: {', '.join(allowed)}"
+        return FieldProblem(path, msg)
+    if kind == "missing":
+        return FieldProblem(path, "required key is missing")
+    if kind == "union_tag_invalid":
+        return FieldProblem(
+            f"{path}.kind" if path else "kind",
+            f"unknown trigger kind {_short(err.get('ctx', {}).get('tag'))}; allowed: {', '.join(TRIGGER_KINDS)}",
+        )
+    if kind == "union_tag_not_found":
+        return FieldProblem(path, f"a trigger needs a `kind`; allowed: {', '.join(TRIGGER_KINDS)}")
+    message = err["msg"].replace("valid tuple", "list")
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    if isinstance(value, (dict, list)) and kind not in {"list_type", "tuple_type", "dict_type", "model_type"}:
+        return FieldProblem(path, message)
+    if repr(value) in message or (isinstance(value, (int, float)) and f" {value}" in message):
+        return FieldProblem(path, message)  # the message already shows the value
+    return FieldProblem(path, f"{message} (got {_short(value)})")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

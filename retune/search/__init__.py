@@ -1,0 +1,12 @@
+"""One stage's batch-size search, from a trigger to the applied size.
+
+The algorithms are pure logic over an oracle (``fits(size)``, ``time(size)``), tested without
+Lightning; :mod:`~retune.search.stage` connects them to real probes.
+
+* :mod:`~retune.search.largest`: the largest size that fits (power, binsearch, model);
+* :mod:`~retune.search.throughput`: the size that trains fastest among those that fit;
+* :mod:`~retune.search.stage`: one stage's search, its probes and the applied result;
+* :mod:`~retune.search.policies`: what else changes with the batch size (accumulation, learning rates).
+"""
+
+__all__ = ["largest", "policies", "stage", "throughput"]
