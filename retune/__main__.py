@@ -3,3 +3,5 @@ import sys
 from retune.cli import main
 
 sys.exit(main())
+
+__all__: list[str] = []

@@ -37,3 +37,6 @@ class ScheduleError(ValueError):
 
 class RetuneError(RuntimeError):
     """A batch-size search that cannot produce a usable size, or a trainer setup retune cannot serve."""
+
+
+__all__ = ["FieldProblem", "RetuneError", "ScheduleError"]

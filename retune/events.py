@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
+
+Direction = Literal["down", "up", "unknown"]
+"""Which way a warm search moves from the current size: ``down`` after more parameters became
+trainable (each step needs more memory), ``up`` after fewer, ``unknown`` when the trigger cannot tell.
+Triggers answer it; the searches start from it."""
 
 
 class Trial(NamedTuple):
@@ -98,3 +103,6 @@ class RetuneEvent:
         values = dict(data)
         values["trials"] = [Trial(int(size), bool(fits)) for size, fits in values.get("trials", [])]
         return cls(**values)
+
+
+__all__ = ["Direction", "RetuneEvent", "Trial"]

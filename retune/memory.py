@@ -225,3 +225,6 @@ def measure_peak(
             reading.source = "cpu-tracker"
         return
     yield reading
+
+
+__all__ = ["CpuPeakTracker", "PeakReading", "device_total_bytes", "measure_peak", "resident_bytes", "tensor_bytes"]

@@ -31,3 +31,6 @@ def is_oom_error(exc: BaseException) -> bool:
         return False
     text = str(exc)
     return any(message in text for message in _OOM_MESSAGES)
+
+
+__all__ = ["is_oom_error"]

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from retune import RetuneError
-from retune.recovery.step_recovery import EvalStepRecovery, Recovered, StepParts, TrainStepRecovery
+from retune.recovery.step_recovery import EvalStepRecovery, Recovered, TrainStepRecovery
+from retune.step_parts import StepParts
 from tests.oom_oracle import FailInBackward
 
 

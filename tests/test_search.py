@@ -13,8 +13,8 @@ import pytest
 
 import retune.schedule.models
 import retune.search.largest
-from retune.events import Trial
-from retune.search.largest import Direction, Mode, SearchPlan, SearchResult, plan_search, run_search
+from retune.events import Direction, Trial
+from retune.search.largest import Mode, SearchPlan, SearchResult, plan_search, run_search
 
 MS = range(1, 601)
 

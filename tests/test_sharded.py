@@ -16,6 +16,7 @@ from torch import nn
 
 from retune import RetuneError, ScheduledBatchSizeFinder
 from retune.compat import strategies as sharded
+from retune.distributed import fsdp2
 from retune.distributed.local_shards import is_sharded, local
 from retune.probing.snapshot import TrainingSnapshot
 from tests.lightning_ns import LEGACY, pl
@@ -178,7 +179,7 @@ def test_after_an_out_of_memory_mid_forward_the_sharded_model_trains_as_if_it_ne
     with pytest.raises(torch.OutOfMemoryError):
         _step(model, optimizer, seed=5, batch=64)
     hook.remove()
-    sharded.reset_after_failure(model)
+    fsdp2.reset_after_failure(model)
     snap.restore()
     for seed in (2, 3):
         _step(model, optimizer, seed=seed)

@@ -14,14 +14,13 @@ import pytest
 
 import retune.search.throughput
 from retune.events import Trial
+from retune.probing.timing import samples_per_second, steady
 from retune.search.largest import SearchResult
 from retune.search.throughput import (
     EXTRA_TRIALS,
     ThroughputPlan,
     choose,
     choose_fastest,
-    samples_per_second,
-    steady,
     timed_sizes,
     trial_rates,
     with_choice,

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from retune import Trigger, load_schedule
+from retune.events import Direction
 from retune.schedule.triggers import (
     EpochMilestones,
     Firing,
@@ -20,7 +21,6 @@ from retune.schedule.triggers import (
     build_triggers,
     evaluate,
 )
-from retune.search.largest import Direction
 
 BACKBONE = frozenset({"backbone.0.weight", "backbone.0.bias", "backbone.1.weight"})
 HEAD = frozenset({"head.weight", "head.bias"})

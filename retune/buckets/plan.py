@@ -34,11 +34,6 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DEFAULT_BUCKETS = 6
-"""Buckets when the schedule does not say: enough to take most of the padding and memory waste out of
-long-tailed text and speech data, few enough that re-tuning every bucket stays cheap (a re-tune costs
-about ``buckets + 2`` probes)."""
-
 MAX_LEVELS = 512
 """Distinct sizes the boundary search considers (more are merged into quantile levels)."""
 
@@ -273,7 +268,6 @@ def mean_batch(buckets: Buckets, batch_sizes: Sequence[int], drop_last: bool = F
 
 
 __all__ = [
-    "DEFAULT_BUCKETS",
     "Buckets",
     "PlannedBatch",
     "assign",

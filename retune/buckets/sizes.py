@@ -32,14 +32,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from retune.events import Direction
 from retune.search.largest import SearchPlan, run_search
 
 Measure = Callable[[int, int], tuple[bool, "int | None"]]
 """``measure(bucket, size) -> (fits, peak)``: one probe of ``bucket``'s worst batch at ``size``."""
-
-Direction = Literal["down", "up", "unknown"]
 
 
 @dataclass(frozen=True)

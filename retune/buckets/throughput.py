@@ -35,7 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from retune.buckets.sizes import BucketTrial
-from retune.search.throughput import ThroughputResult, steady
+from retune.probing.timing import steady
+from retune.search.throughput import ThroughputResult
 
 
 def reference_bucket(largest: Sequence[int], counts: Sequence[int]) -> int:

@@ -23,8 +23,9 @@ from retune import compat
 from retune.buckets.loader import BucketBatchSampler, TrainLoaderHook, is_shuffled, loader_seed
 from retune.buckets.loader import with_batch_sampler as _with_batch_sampler
 from retune.buckets.plan import Buckets, assign, mean_batch, plan_buckets
-from retune.buckets.sizes import BucketMemory, BucketSearchResult, BucketTrial, Direction, search_buckets
+from retune.buckets.sizes import BucketMemory, BucketSearchResult, BucketTrial, search_buckets
 from retune.buckets.throughput import bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
+from retune.events import Direction
 from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
 from retune.probing.prober import Prober
 from retune.search.throughput import ThroughputPlan, choose_fastest, selection_steps

@@ -1,18 +1,36 @@
-"""What retune's callbacks share around their hooks: printing, where the report files go, trigger state.
+"""What retune's callbacks share: their Lightning base class, printing, report files, trigger state.
 
-``ScheduledBatchSizeFinder`` and ``ScheduledLRFinder`` both print above Lightning's progress bar
-(rank zero only), write their files next to the first logger's, and keep their triggers' baselines
-in checkpoints; one implementation of each, here.
+``ScheduledBatchSizeFinder`` and ``ScheduledLRFinder`` both subclass :class:`RetuneCallback` (a
+Lightning ``Callback`` of every installed namespace, picklable after a fit), print above Lightning's
+progress bar (rank zero only), write their files next to the first logger's, and keep their triggers'
+baselines in checkpoints; one implementation of each, here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from retune import compat, messages
 from retune.schedule.triggers import Trigger
+
+if TYPE_CHECKING:
+    _BASES: tuple[type, ...] = (object,)
+else:
+    _BASES = compat.callback_base_classes()
+
+
+class RetuneCallback(*_BASES):  # type: ignore[misc]
+    """The Lightning ``Callback`` base of retune's callbacks, in every installed Lightning namespace.
+
+    Inheriting from each namespace's ``Callback`` lets ``isinstance`` checks pass whichever one the user
+    imports (LightningCLI, the callback connector). A callback pickles (``ddp_spawn``) before and after
+    a fit: what Lightning attaches to it during a fit is left out of its pickled state.
+    """
+
+    def __getstate__(self) -> dict[str, Any]:
+        return compat.without_attached(self.__dict__)
 
 
 def print_above_bar(message: str) -> None:
@@ -54,3 +72,6 @@ def load_trigger_states(triggers: Sequence[Trigger], saved: Sequence[dict[str, A
     for trigger, state in zip(triggers, saved, strict=False):
         if state is not None and hasattr(trigger, "load_state_dict"):
             trigger.load_state_dict(state)
+
+
+__all__ = ["RetuneCallback", "load_trigger_states", "print_above_bar", "report_dir", "say", "trigger_states"]

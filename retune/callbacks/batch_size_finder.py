@@ -12,43 +12,35 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from retune import compat, messages
 from retune.buckets.train_buckets import BucketState, TrainBuckets
-from retune.callbacks.base import load_trigger_states, print_above_bar, report_dir, say, trigger_states
+from retune.callbacks.base import RetuneCallback, load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.callbacks.ordering import move_retune_last
 from retune.callbacks.trainer_view import training_view
 from retune.compat import hooks as hook_calls
-from retune.compat import strategies as sharded
 from retune.compat.closure_runner import install_closure_runner
 from retune.distributed.grad_sync import SyncedSteps
 from retune.errors import FieldProblem, RetuneError, ScheduleError
-from retune.events import RetuneEvent, Trial
+from retune.events import Direction, RetuneEvent, Trial
 from retune.oom import is_oom_error
 from retune.probing.batch_size_attr import duplicate_attr_message, loader_batch_size
 from retune.probing.probe_batches import ProbeBatches
 from retune.probing.timing import Clock
 from retune.recovery.loss_items import ItemsFn, resolve_items_fn
 from retune.recovery.oom_sites import add_note, oom_site, why_not_recovered
-from retune.recovery.split import SplitFn
+from retune.recovery.split import SplitFn, join_detached
 from retune.recovery.step_recovery import EvalStepRecovery, Recovered, TrainStepRecovery
 from retune.reports import batch_size as report
 from retune.schedule.loading import ScheduleSource, load_schedule
 from retune.schedule.triggers import OutOfMemory, TrainingView, Trigger, build_triggers, evaluate
-from retune.search.largest import Direction
 from retune.search.stage import Policies, StageState, search_stage
 
 log = logging.getLogger("retune")
 
-if TYPE_CHECKING:
-    _CallbackBase = object
-    _BASES: tuple[type, ...] = (object,)
-else:
-    _BASES = compat.callback_base_classes()
 
-
-class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
+class ScheduledBatchSizeFinder(RetuneCallback):
     """Re-run the largest-batch-size search whenever the schedule's triggers fire.
 
     Args:
@@ -150,7 +142,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             return
         compat.check_strategy(trainer)
         if self._oom is not None:  # every stage: evaluation steps are recovered in micro-batches too
-            sharded.check_oom_trigger(trainer)
+            compat.check_oom_trigger(trainer)
         if compat.unshare_spawned_weights(trainer, pl_module):
             log.debug("ddp_spawn left this rank's CPU weights in shared memory; gave it its own copy")
         stages = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[stage]
@@ -263,7 +255,7 @@ class ScheduledBatchSizeFinder(*_BASES):  # type: ignore[misc]
             )
             run = synced.run
             self._undo.append(synced.close)
-        self._undo += [install_closure_runner(trainer, run), recovery.close]
+        self._undo += [install_closure_runner(trainer, run, join_detached), recovery.close]
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._uninstall()

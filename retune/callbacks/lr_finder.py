@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from retune import compat, messages
-from retune.callbacks.base import load_trigger_states, print_above_bar, report_dir, say, trigger_states
+from retune.callbacks.base import RetuneCallback, load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.callbacks.ordering import move_retune_last
 from retune.callbacks.trainer_view import group_infos, training_view
 from retune.errors import RetuneError
@@ -29,13 +29,8 @@ from retune.reports import lr as lr_report
 from retune.schedule.loading import ScheduleSource, load_schedule
 from retune.schedule.triggers import Firing, Trigger, build_triggers, evaluate
 
-if TYPE_CHECKING:
-    _BASES: tuple[type, ...] = (object,)
-else:
-    _BASES = compat.callback_base_classes()
 
-
-class ScheduledLRFinder(*_BASES):  # type: ignore[misc]
+class ScheduledLRFinder(RetuneCallback):
     """Run a learning-rate range test at the schedule's triggers and set the suggested rate.
 
     Args:

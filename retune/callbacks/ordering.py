@@ -30,3 +30,6 @@ def move_retune_last(trainer: Any) -> None:
     ordered = retune_order(list(trainer.callbacks))
     if any(a is not b for a, b in zip(ordered, trainer.callbacks, strict=True)):
         trainer.callbacks = ordered
+
+
+__all__ = ["move_retune_last", "retune_order"]

@@ -45,3 +45,6 @@ def group_infos(optimizer: Any, pl_module: Any) -> list[GroupInfo]:
         )
         for g in optimizer.param_groups
     ]
+
+
+__all__ = ["group_infos", "training_view"]

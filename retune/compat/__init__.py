@@ -14,7 +14,10 @@ outside this package imports Lightning or reads a private trainer attribute. One
 * :mod:`~retune.compat.closure_runner`: the ``oom`` trigger's closure runner and ``self.log`` interceptor;
 * :mod:`~retune.compat.logs`: where ``self.log`` writes, and where retune's files go;
 * :mod:`~retune.compat.state`: trainer state a probe can change (progress, schedulers, accumulation);
-* :mod:`~retune.compat.distributed`: whether ranks must agree, and how they exchange a decision.
+* :mod:`~retune.compat.distributed`: whether ranks must agree, and how they exchange a decision;
+* :mod:`~retune.compat.strategies`: which strategies retune serves or refuses (FSDP2, DDP, FSDP1, DeepSpeed);
+* :mod:`~retune.compat.hooks`: a LightningModule's step hooks called with the arguments Lightning passes;
+* :mod:`~retune.compat.batch_attr`: the batch-size attribute, found and written as Lightning's tuner does.
 
 The functions the rest of retune calls are re-exported here (``compat.request_dataloader(...)``).
 """
@@ -51,7 +54,7 @@ from retune.compat.logs import (
     save_logged_metrics,
 )
 from retune.compat.loops import batch_index, batch_is_accumulating, trainer_fn
-from retune.compat.namespace import callback_base_classes, is_legacy, namespace_of
+from retune.compat.namespace import callback_base_classes, is_legacy, namespace_of, without_attached
 from retune.compat.stage_steps import hooks_isolated, run_step, training_step, wrap_eval_step
 from retune.compat.state import (
     accumulation_is_scheduled,
@@ -64,6 +67,7 @@ from retune.compat.state import (
     lr_schedulers,
     set_accumulation,
 )
+from retune.compat.strategies import check_oom_trigger, is_sharded, strategy_kind
 
 __all__ = [
     "accumulation_is_scheduled",
@@ -74,6 +78,7 @@ __all__ = [
     "batch_to_device",
     "broadcast_object",
     "callback_base_classes",
+    "check_oom_trigger",
     "check_source",
     "check_strategy",
     "dataloader_hook",
@@ -91,6 +96,7 @@ __all__ = [
     "is_ddp",
     "is_distributed",
     "is_legacy",
+    "is_sharded",
     "journal_logged_metrics",
     "log_dir",
     "loop_counters",
@@ -107,8 +113,10 @@ __all__ = [
     "save_logged_metrics",
     "set_accumulation",
     "set_batch_attr",
+    "strategy_kind",
     "trainer_fn",
     "training_step",
     "unshare_spawned_weights",
+    "without_attached",
     "wrap_eval_step",
 ]

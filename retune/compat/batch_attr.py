@@ -41,3 +41,6 @@ def batch_attr_places(trainer: Any, pl_module: Any, name: str) -> list[tuple[str
         value = holder[name] if isinstance(holder, dict) else getattr(holder, name)
         places.append((f"{label}.{name}", value))
     return places
+
+
+__all__ = ["batch_attr_places", "get_batch_attr", "has_batch_attr", "set_batch_attr"]

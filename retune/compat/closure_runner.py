@@ -21,7 +21,7 @@ few attribute writes per step when nothing runs out of memory (``tests/benchmark
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -29,12 +29,14 @@ import torch
 
 from retune.compat.logs import micro_batch_logging, results_owner, save_logged_metrics
 from retune.compat.loops import automatic_loop
-from retune.recovery.split import _rebuild_mapping, join_outputs
-from retune.recovery.step_recovery import StepParts
+from retune.step_parts import StepParts
 
 _OFF, _JOURNAL, _RECORD = 0, 1, 2
 _STATE = ("value", "cumulated_batch_size", "_forward_cache", "_update_count", "_computed", "has_reset")
 _MISSING = object()
+
+JoinOutputs = Callable[[Sequence[Any], Sequence["int | None"]], Any]
+"""``join(outputs, sizes)``: micro-batches' step outputs as the whole batch's (``retune.recovery.split``)."""
 
 
 class StepLogs:
@@ -221,25 +223,14 @@ def _nothing() -> None:
     return None
 
 
-def _detached(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, Mapping):
-        return _rebuild_mapping(value, {k: _detached(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        parts = [_detached(v) for v in value]
-        return type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)
-    return value
-
-
-def _join_results(results: Sequence[Any], sizes: Sequence[int | None]) -> Any:
+def _join_results(results: Sequence[Any], sizes: Sequence[int | None], join: JoinOutputs) -> Any:
     """The micro-batches' ``ClosureResult`` as one: the other outputs of ``training_step`` (logits, a
-    ``ModelOutput``'s fields) joined along the batch dimension, detached (the graphs are spent)."""
+    ``ModelOutput``'s fields) joined along the batch dimension by ``join`` (the graphs are spent)."""
     last = results[-1]
     extras = [r.extra for r in results]
     if len(results) == 1 or not any(extras):
         return last
-    return dataclasses.replace(last, extra=join_outputs([_detached(e) for e in extras], sizes))
+    return dataclasses.replace(last, extra=join(extras, sizes))
 
 
 def _forward(loop: Any, kwargs: Any, batch: Any) -> Any:
@@ -250,12 +241,16 @@ def _forward(loop: Any, kwargs: Any, batch: Any) -> Any:
     return loop._training_step(step_kwargs)
 
 
-def install_closure_runner(trainer: Any, run: Callable[[StepParts], Any]) -> Callable[[], None]:
+def install_closure_runner(
+    trainer: Any, run: Callable[[StepParts], Any], join_outputs: JoinOutputs
+) -> Callable[[], None]:
     """Route the body of every training closure the fit loop builds through ``run``; returns the undo.
 
-    ``run`` receives a :class:`retune.recovery.step_recovery.StepParts` for the batch and returns the loop's step
-    result (Lightning's ``ClosureResult``). Everything around the closure (``optimizer_step``, the
-    precision plugin's gradient clipping and grad scaler, progress counters) stays Lightning's.
+    ``run`` receives a :class:`retune.step_parts.StepParts` for the batch and returns the loop's step
+    result (Lightning's ``ClosureResult``). ``join_outputs`` puts the micro-batches' other step outputs
+    back together, detached (:func:`retune.recovery.split.join_detached`). Everything around the
+    closure (``optimizer_step``, the precision plugin's gradient clipping and grad scaler, progress
+    counters) stays Lightning's.
     Patched on the loop instance only, so nothing outside this trainer changes.
     """
     loop = automatic_loop(trainer)
@@ -270,7 +265,7 @@ def install_closure_runner(trainer: Any, run: Callable[[StepParts], Any]) -> Cal
         loss_of=lambda result: result.closure_loss,
         with_loss=lambda result, loss: dataclasses.replace(result, closure_loss=loss),
         logs=logs,
-        join=_join_results,
+        join=lambda results, sizes: _join_results(results, sizes, join_outputs),
         save_logs=lambda: save_logged_metrics(trainer),
         journal_logs=logs.begin,
         where=lambda: f"epoch {trainer.current_epoch}, global step {trainer.global_step}",
@@ -308,4 +303,4 @@ def install_closure_runner(trainer: Any, run: Callable[[StepParts], Any]) -> Cal
     return undo
 
 
-__all__ = ["StepLogs", "install_closure_runner"]
+__all__ = ["JoinOutputs", "StepLogs", "install_closure_runner"]

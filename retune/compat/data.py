@@ -156,3 +156,17 @@ def eval_batches(
 def dataset_length(loader: Any, world_size: int) -> int | None:
     """Samples one rank sees per epoch (see ``combined_loaders.dataset_length``)."""
     return combined_loaders.dataset_length(loader, world_size)
+
+
+__all__ = [
+    "batch_to_device",
+    "check_source",
+    "dataloader_hook",
+    "dataloader_source",
+    "dataset_length",
+    "eval_batches",
+    "eval_dataloaders",
+    "probe_batches",
+    "reload_dataloader",
+    "request_dataloader",
+]

@@ -65,3 +65,14 @@ def ddp_wrapper(trainer: Any) -> Any | None:
     """The ``DistributedDataParallel`` module the strategy trains through, or None."""
     model = getattr(trainer.strategy, "model", None)
     return model if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None
+
+
+__all__ = [
+    "all_gather_object",
+    "broadcast_object",
+    "check_strategy",
+    "ddp_wrapper",
+    "is_ddp",
+    "is_distributed",
+    "unshare_spawned_weights",
+]

@@ -161,3 +161,15 @@ def refresh_progress_bar(trainer: Any) -> None:
     if train_bar is not None and hasattr(train_bar, "reset"):
         total = trainer.num_training_batches
         train_bar.reset(total=None if total == float("inf") else int(total))
+
+
+__all__ = [
+    "eval_logging",
+    "journal_logged_metrics",
+    "log_dir",
+    "micro_batch_logging",
+    "refresh_progress_bar",
+    "results_owner",
+    "save_logged_metrics",
+    "throwaway_results",
+]

@@ -37,3 +37,6 @@ def batch_is_accumulating(trainer: Any) -> bool:
 def batch_index(trainer: Any) -> int:
     """The index within the epoch of the train batch being run now (both Lightning lines)."""
     return int(trainer.fit_loop.epoch_loop.batch_idx)
+
+
+__all__ = ["automatic_loop", "batch_index", "batch_is_accumulating", "eval_loop", "trainer_fn"]

@@ -62,3 +62,27 @@ def callback_base_classes() -> tuple[type, ...]:
     if not bases:
         raise ImportError("retune needs Lightning: pip install 'pytorch-lightning>=1.9' (or 'lightning')")
     return tuple(bases)
+
+
+ATTACHED_TO_CALLBACKS = ("log", "log_dict")
+"""What Lightning 1.9 sets on every callback at fit start (``callback.log = lightning_module.log``): bound
+methods of the module, which keep it (and, once the trainer is gone, a dead weak proxy) alive."""
+
+
+def without_attached(state: dict[str, Any]) -> dict[str, Any]:
+    """A callback's ``__dict__`` without what Lightning attached to it (re-attached at every fit).
+
+    Pickling a callback after a 1.9 fit otherwise pickles the whole LightningModule through those bound
+    methods, and fails with ``ReferenceError`` once the trainer its weak proxy points at is gone.
+    """
+    return {key: value for key, value in state.items() if key not in ATTACHED_TO_CALLBACKS}
+
+
+__all__ = [
+    "ATTACHED_TO_CALLBACKS",
+    "callback_base_classes",
+    "import_module",
+    "is_legacy",
+    "namespace_of",
+    "without_attached",
+]

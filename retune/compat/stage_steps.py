@@ -209,3 +209,6 @@ def wrap_eval_step(
             object.__delattr__(pl_module, name)
 
     return undo
+
+
+__all__ = ["ClosureWrapper", "hooks_isolated", "run_step", "training_step", "wrap_eval_step"]

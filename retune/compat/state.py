@@ -94,3 +94,16 @@ def accumulation_is_scheduled(trainer: Any) -> bool:
         if len(scheduling) > 1 or any(epoch != 0 for epoch in scheduling):
             return True
     return False
+
+
+__all__ = [
+    "accumulation_is_scheduled",
+    "fts_phase",
+    "get_accumulation",
+    "grad_scaler",
+    "loop_counters",
+    "loop_progress",
+    "lr_holders",
+    "lr_schedulers",
+    "set_accumulation",
+]

@@ -7,3 +7,5 @@ pulls in an optional dependency:
   ``freeze``, ``freeze_unfreeze``, ``unfreeze_milestones``) that re-tune the batch size in the same
   epoch-start hook in which they unfreeze. Needs ``lightning-flash`` (see ``requirements/flash.txt``).
 """
+
+__all__: list[str] = []  # import retune.integrations.flash explicitly: it needs lightning-flash

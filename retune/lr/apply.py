@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from retune.search.policies import _GROUP_LR_KEYS, _is_rate
+from retune.search.policies import GROUP_LR_KEYS, is_rate
 
 # per-group lists kept by LR schedulers that move with the group's nominal rate (ReduceLROnPlateau's ``min_lrs``
 # and CosineAnnealing's ``eta_min`` are absolute floors the user set, and are left alone)
@@ -43,13 +43,13 @@ def nominal_lr(optimizer: torch.optim.Optimizer, index: int, holders: Iterable[A
     the group's current rate.
     """
     group = optimizer.param_groups[index]
-    if _is_rate(group.get("max_lr")):
+    if is_rate(group.get("max_lr")):
         return float(group["max_lr"])
     for holder in _own(holders, optimizer):
         peaks = getattr(holder, "max_lrs", None)
-        if isinstance(peaks, list) and index < len(peaks) and _is_rate(peaks[index]):
+        if isinstance(peaks, list) and index < len(peaks) and is_rate(peaks[index]):
             return float(peaks[index])
-    if _is_rate(group.get("initial_lr")):
+    if is_rate(group.get("initial_lr")):
         return float(group["initial_lr"])
     return float(group["lr"])
 
@@ -74,21 +74,21 @@ def set_group_lr(
         nominals[index] = nominal
         factor = lr / nominal if nominal > 0 else 0.0
         factors[index] = factor
-        for key in _GROUP_LR_KEYS:
-            if _is_rate(group.get(key)):
+        for key in GROUP_LR_KEYS:
+            if is_rate(group.get(key)):
                 group[key] = _moved(group[key], nominal, factor, lr)
     last = len(optimizer.param_groups) - 1
     for holder in owned:
         for attr in _PER_GROUP_ATTRS:
             values = getattr(holder, attr, None)
-            if not (isinstance(values, list) and values and all(_is_rate(v) for v in values)):
+            if not (isinstance(values, list) and values and all(is_rate(v) for v in values)):
                 continue
             updated = list(values)
             for index, factor in factors.items():
                 if index < len(updated):  # a group added after the scheduler was built has no entry
                     updated[index] = _moved(updated[index], nominals[index], factor, lr)
             setattr(holder, attr, updated)
-        if last in factors and _is_rate(getattr(holder, "previous_backbone_lr", None)):
+        if last in factors and is_rate(getattr(holder, "previous_backbone_lr", None)):
             holder.previous_backbone_lr = optimizer.param_groups[last]["lr"]
     return factors
 
@@ -124,3 +124,6 @@ def _unnested(holders: Iterable[Any]) -> list[Any]:
         found.append(holder)
         pending.extend(getattr(holder, "_schedulers", []))
     return found
+
+
+__all__ = ["nominal_lr", "set_group_lr"]

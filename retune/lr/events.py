@@ -57,3 +57,6 @@ class LRFindEvent:
             values[key] = [math.nan if v is None else float(v) for v in values.get(key, [])]
         values["groups"] = [int(g) for g in values.get("groups", [])]
         return cls(**values)
+
+
+__all__ = ["LRFindEvent"]

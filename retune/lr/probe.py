@@ -152,3 +152,6 @@ class _GradientSync:
         """This rank failed before its closure ran: take part in the gradient all-reduce, reporting the failure."""
         self.done = True
         all_reduce_gradients(self.params, True, self.world_size)
+
+
+__all__ = ["run_range_test"]

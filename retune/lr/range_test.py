@@ -43,7 +43,7 @@ def sweep_lrs(min_lr: float, max_lr: float, steps: int, mode: SweepMode) -> list
     """The learning rate of each step: ``steps`` rates from ``min_lr`` to ``max_lr`` inclusive.
 
     Example:
-        >>> sweep_lrs(1e-3, 1.0, 4, "exponential")
+        >>> [round(lr, 12) for lr in sweep_lrs(1e-3, 1.0, 4, "exponential")]
         [0.001, 0.01, 0.1, 1.0]
         >>> sweep_lrs(0.0, 1.0, 3, "linear")
         [0.0, 0.5, 1.0]
@@ -272,3 +272,19 @@ def select_groups(spec: GroupSpec, n_groups: int, new: Sequence[int], fit_start:
     if missing:
         raise ValueError(f"lr_find.groups lists {missing}, but the optimizer has {n_groups} param groups")
     return sorted(set(spec))
+
+
+__all__ = [
+    "GroupInfo",
+    "GroupSpec",
+    "RangeTest",
+    "Suggestion",
+    "SuggestionMethod",
+    "SweepMode",
+    "diverged",
+    "new_groups",
+    "select_groups",
+    "smooth",
+    "suggest",
+    "sweep_lrs",
+]

@@ -69,3 +69,6 @@ def duplicate_attr_message(
         f"{hook}() gets it whichever it reads, and reads the current size from {read}, the last place "
         f"Lightning's lightning_getattr looks. {reader} Keep only one of them to silence this warning."
     )
+
+
+__all__ = ["duplicate_attr_message", "loader_batch_size"]

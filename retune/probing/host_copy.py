@@ -103,3 +103,6 @@ def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         copy.copy_(tensor.detach())  # synchronous from a device: the probe must not run before it lands
         copies.append(copy)
     return copies
+
+
+__all__ = ["contiguous_strides", "host_copies"]

@@ -19,15 +19,14 @@ from typing import Any
 import torch
 
 from retune import compat
-from retune.compat.strategies import sharded_trials
 from retune.distributed.collective_guard import PeerFailed
+from retune.distributed.fsdp2 import ShardedTrials
 from retune.errors import RetuneError
 from retune.memory import measure_peak, tensor_bytes
 from retune.oom import is_oom_error
 from retune.probing.snapshot import TrainingSnapshot, sampler_generators
-from retune.probing.timing import Clock, default_clock, timed
+from retune.probing.timing import Clock, default_clock, samples_per_second, steady, timed
 from retune.recovery.split import SplitError, batch_length
-from retune.search.throughput import samples_per_second, steady
 
 TrialReport = Callable[[int, bool, int | None, float | None], None]
 """``on_trial(size, fits, peak_bytes, samples_per_s)``, called after every trial on every rank."""
@@ -65,6 +64,14 @@ def capture_run_state(trainer: Any, pl_module: Any, training: bool = True) -> Tr
         counters=compat.loop_counters(trainer) if training else [],
         include_params=training,
     )
+
+
+def sharded_trials(trainer: Any, pl_module: Any) -> ShardedTrials | None:
+    """The trial wrapper for this run (guarded trials, FSDP2 reset after a failure), or None when the
+    model is not sharded with FSDP2."""
+    if not compat.is_sharded(trainer):
+        return None
+    return ShardedTrials(pl_module, int(getattr(trainer, "world_size", 1)), trainer.strategy.root_device)
 
 
 class Prober:
@@ -287,3 +294,6 @@ def _slowest_rank(per_rank: list[list[float] | None]) -> list[float] | None:
     if not per_rank or any(times is None for times in per_rank):
         return None
     return [max(step) for step in zip(*[t for t in per_rank if t is not None], strict=False)]
+
+
+__all__ = ["Prober", "TrialReport", "capture_run_state", "sharded_trials"]

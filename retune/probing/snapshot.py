@@ -408,3 +408,6 @@ def sampler_generators(loader: Any) -> list[torch.Generator]:
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
     return found
+
+
+__all__ = ["TrainingSnapshot", "sampler_generators"]

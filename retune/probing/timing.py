@@ -8,8 +8,9 @@ clock is injectable so that tests (and simulations) can give every step a known 
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -45,3 +46,19 @@ def timed(device: torch.device, clock: Clock, into: list[float]) -> Iterator[Non
     yield
     synchronize(device)
     into.append(clock() - started)
+
+
+def steady(step_seconds: Sequence[float] | None) -> list[float]:
+    """The steps of a trial that count: all but the first, which warms up."""
+    return list(step_seconds[1:]) if step_seconds else []
+
+
+def samples_per_second(size: int, step_seconds: Sequence[float]) -> float | None:
+    """``size`` over the median step time (None without a positive timing)."""
+    if not step_seconds:
+        return None
+    median = statistics.median(step_seconds)
+    return size / median if median > 0 else None
+
+
+__all__ = ["Clock", "default_clock", "samples_per_second", "steady", "synchronize", "timed"]

@@ -246,4 +246,32 @@ def join_outputs(outputs: Sequence[Any], sizes: Sequence[int | None] | None = No
     return outputs[-1]
 
 
-__all__ = ["SplitError", "SplitFn", "batch_length", "join_outputs", "piece_sizes", "pieces_for", "split_batch"]
+def detached(value: Any) -> Any:
+    """``value`` with every tensor in it detached, containers (dicts, ``ModelOutput``, named tuples) kept."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, Mapping):
+        return _rebuild_mapping(value, {k: detached(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        parts = [detached(v) for v in value]
+        return type(value)(*parts) if hasattr(value, "_fields") else type(value)(parts)
+    return value
+
+
+def join_detached(outputs: Sequence[Any], sizes: Sequence[int | None] | None = None) -> Any:
+    """:func:`join_outputs` of the outputs detached: what a recovered step returns besides its loss
+    (the micro-batches' graphs are spent once their backward ran)."""
+    return join_outputs([detached(o) for o in outputs], sizes)
+
+
+__all__ = [
+    "SplitError",
+    "SplitFn",
+    "batch_length",
+    "detached",
+    "join_detached",
+    "join_outputs",
+    "piece_sizes",
+    "pieces_for",
+    "split_batch",
+]

@@ -34,9 +34,8 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import torch
 
@@ -47,6 +46,7 @@ from retune.recovery.loss_items import ItemsFn, count_items, resolve_items_fn, t
 from retune.recovery.oom_sites import SPLITTABLE, add_note, oom_site, why_not_recovered
 from retune.recovery.running_stats import RunningStats, needs_two_samples
 from retune.recovery.split import SplitError, SplitFn, batch_length, join_outputs, pieces_for, split_batch
+from retune.step_parts import StepParts
 
 LossReduction = Literal["mean", "sum", "token_mean"]
 
@@ -235,67 +235,6 @@ class Recovered:
     """``forward``, ``backward``, ``a micro-batch`` or the hook that ran out of memory (``on_before_backward``)."""
     micro_size: int | None = None
     """The largest micro-batch's samples (None when the micro-batches do not tell their size)."""
-
-
-class MicroLogs(Protocol):
-    """Where a recovered training step's ``self.log`` calls go (the Lightning side: :mod:`retune.step_logs`)."""
-
-    def record(self, micro: Any) -> AbstractContextManager[Any]:
-        """Around one micro-batch's step: its logged values are recorded, not applied."""
-
-    def discard(self, micro: Any) -> AbstractContextManager[Any]:
-        """Around one micro-batch's step whose values the whole batch already logged: dropped."""
-
-    def commit(self, weights: Sequence[float], samples: Sequence[int | None], add: bool = False) -> None:
-        """Apply the recorded values once, each key's combined as the whole batch's (weighted like the loss;
-        ``add``: the loss is a sum, and so is a mean-reduced value's whole-batch form)."""
-
-    def clear(self) -> None:
-        """Forget what was recorded (a round of micro-batches ran out of memory)."""
-
-
-class _NoLogs:
-    def record(self, micro: Any) -> AbstractContextManager[Any]:
-        return nullcontext()
-
-    def discard(self, micro: Any) -> AbstractContextManager[Any]:
-        return nullcontext()
-
-    def commit(self, weights: Sequence[float], samples: Sequence[int | None], add: bool = False) -> None:
-        return None
-
-    def clear(self) -> None:
-        return None
-
-
-class StepParts:
-    """The three parts of one step's closure, as Lightning built them, plus how to run the step on a micro-batch."""
-
-    def __init__(
-        self,
-        batch: Any,
-        forward: Callable[[Any], Any],
-        zero_grad: Callable[[], None] | None,
-        backward: Callable[[torch.Tensor], None] | None,
-        loss_of: Callable[[Any], torch.Tensor | None],
-        with_loss: Callable[[Any, torch.Tensor | None], Any],
-        logs: MicroLogs | None = None,
-        join: Callable[[Sequence[Any], Sequence[int | None]], Any] | None = None,
-        where: Callable[[], str] = lambda: "",
-        save_logs: Callable[[], Callable[[], None]] = lambda: lambda: None,
-        journal_logs: Callable[[], tuple[Callable[[], None], Callable[[], None]]] | None = None,
-    ) -> None:
-        self.batch = batch
-        self.forward = forward  # the step on a (micro-)batch: returns the loop's step result
-        self.zero_grad = zero_grad
-        self.backward = backward
-        self.loss_of = loss_of  # the loss tensor (with graph) in a step result
-        self.with_loss = with_loss  # the step result with another loss
-        self.logs: MicroLogs = logs if logs is not None else _NoLogs()
-        self.join = join  # the micro-batches' step results as one (outputs joined); None: the last one
-        self.where = where  # "epoch 2, global step 40", for error messages: built only when one is raised
-        self.save_logs = save_logs  # returns a function that puts the logged metrics back as they are now
-        self.journal_logs = journal_logs  # starts recording what self.log changes: (rollback, stop)
 
 
 class TrainStepRecovery(_KeptSplit):
@@ -705,8 +644,6 @@ __all__ = [
     "EvalStepRecovery",
     "FinishedGradients",
     "LossReduction",
-    "MicroLogs",
     "Recovered",
-    "StepParts",
     "TrainStepRecovery",
 ]

@@ -238,3 +238,26 @@ def _text(value: object) -> str:
     if isinstance(value, tuple):
         return str(list(value))
     return "null" if value is None else str(value)
+
+
+__all__ = [
+    "CSV_FIELDS",
+    "CSV_NAME",
+    "FORMAT_VERSION",
+    "JSON_NAME",
+    "KIND",
+    "LROutputPaths",
+    "PNG_NAME",
+    "defaults_notice",
+    "event_metrics",
+    "events_from_json",
+    "format_lr",
+    "format_summary",
+    "format_table",
+    "is_lr_history",
+    "plot_lr_history",
+    "read_lr_history",
+    "write_csv",
+    "write_json",
+    "write_outputs",
+]

@@ -256,3 +256,6 @@ def _problem(err: ErrorDetails) -> FieldProblem:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+__all__ = ["SUFFIXES", "ScheduleSource", "format_path", "load_schedule", "read_schedule_file", "validate_data"]

@@ -31,7 +31,11 @@ from pydantic import (
     model_validator,
 )
 
-from retune.buckets.plan import DEFAULT_BUCKETS
+DEFAULT_BUCKETS = 6
+"""Buckets when the schedule does not say: enough to take most of the padding and memory waste out of
+long-tailed text and speech data, few enough that re-tuning every bucket stays cheap (a re-tune costs
+about ``buckets + 2`` probes)."""
+
 
 SearchMode = Literal["power", "binsearch", "model"]
 Objective = Literal["largest", "throughput"]
@@ -484,3 +488,28 @@ class RetuneSchedule(_Config):
         if len(set(value)) != len(value):
             raise ValueError(f"stages must not repeat, got {list(value)}")
         return value
+
+
+__all__ = [
+    "ApplyConfig",
+    "DEFAULT_BUCKETS",
+    "EpochTrigger",
+    "FieldConflict",
+    "FitStartTrigger",
+    "FtsPhaseTrigger",
+    "LRFindConfig",
+    "MemoryConfig",
+    "Objective",
+    "OomTrigger",
+    "ParamGroupsChangedTrigger",
+    "RetuneSchedule",
+    "SearchConfig",
+    "SearchMode",
+    "Stage",
+    "StageBatchArgNames",
+    "StrictFloat",
+    "TRIGGER_KINDS",
+    "TrainableParamsChangedTrigger",
+    "TriggerConfig",
+    "parse_byte_size",
+]

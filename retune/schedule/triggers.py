@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from retune.events import Direction
 from retune.schedule.models import (
     EpochTrigger,
     FitStartTrigger,
@@ -40,7 +41,6 @@ from retune.schedule.models import (
     TrainableParamsChangedTrigger,
     TriggerConfig,
 )
-from retune.search.largest import Direction
 
 
 @dataclass(frozen=True)
@@ -273,3 +273,18 @@ def evaluate(triggers: Sequence[Trigger], view: TrainingView) -> Firing | None:
     known = directions - {"unknown"}
     direction: Direction = known.pop() if len(known) == 1 else "unknown"
     return Firing(tuple(kinds), direction)
+
+
+__all__ = [
+    "EpochMilestones",
+    "Firing",
+    "FitStart",
+    "FtsPhase",
+    "OutOfMemory",
+    "ParamGroupsChanged",
+    "TrainableParamsChanged",
+    "TrainingView",
+    "Trigger",
+    "build_triggers",
+    "evaluate",
+]

@@ -32,9 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from retune.events import Trial
+from retune.events import Direction, Trial
 
-Direction = Literal["down", "up", "unknown"]
 Mode = Literal["power", "binsearch", "model"]
 
 
@@ -304,3 +303,6 @@ def _secant(points: dict[int, int], limit: int) -> MemoryModel | None:
         return None
     slope = (points[b] - points[a]) / (b - a)
     return MemoryModel(points[a] - slope * a, slope)
+
+
+__all__ = ["MemoryModel", "Mode", "SearchPlan", "SearchResult", "plan_search", "run_model_search", "run_search"]

@@ -64,14 +64,14 @@ def lr_factor(policy: str, old_effective: int, new_effective: int) -> float:
 
 
 # Keys in a param group that hold learning rates (OneCycleLR and CyclicLR keep theirs in the group).
-_GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")
+GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "base_lr")
 # Attributes that hold learning rates, as lists per group or a single value: LR schedulers' (ReduceLROnPlateau
 # rebuilds ``min_lrs`` from ``default_min_lr`` when a group is added) and BaseFinetuning's, which sets the
 # backbone group's rate from ``previous_backbone_lr`` at every epoch after the unfreeze.
 _LR_ATTRS = ("base_lrs", "_last_lr", "min_lrs", "default_min_lr", "max_lrs", "eta_min", "previous_backbone_lr")
 
 
-def _is_rate(value: Any) -> bool:
+def is_rate(value: Any) -> bool:
     return isinstance(value, (int, float, torch.Tensor)) and not isinstance(value, bool)
 
 
@@ -87,8 +87,8 @@ def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], holders: I
         return
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            for key in _GROUP_LR_KEYS:
-                if _is_rate(group.get(key)):
+            for key in GROUP_LR_KEYS:
+                if is_rate(group.get(key)):
                     group[key] = group[key] * factor
     seen: set[int] = set()
     pending = list(holders)
@@ -100,7 +100,10 @@ def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], holders: I
         pending.extend(getattr(holder, "_schedulers", []))  # SequentialLR, ChainedScheduler
         for attr in _LR_ATTRS:
             value = getattr(holder, attr, None)
-            if isinstance(value, list) and value and all(_is_rate(v) for v in value):
+            if isinstance(value, list) and value and all(is_rate(v) for v in value):
                 setattr(holder, attr, [v * factor for v in value])
-            elif value is not None and _is_rate(value):
+            elif value is not None and is_rate(value):
                 setattr(holder, attr, value * factor)
+
+
+__all__ = ["GROUP_LR_KEYS", "Accumulation", "accumulation_for", "is_rate", "lr_factor", "scale_learning_rates"]

@@ -20,14 +20,13 @@ from typing import Any
 from retune import compat
 from retune.buckets.train_buckets import BucketOutcome, TrainBuckets
 from retune.errors import RetuneError
-from retune.events import RetuneEvent, Trial
+from retune.events import Direction, RetuneEvent, Trial
 from retune.memory import device_total_bytes
 from retune.probing.probe_batches import ProbeBatches
 from retune.probing.prober import Prober, TrialReport
 from retune.probing.timing import Clock
 from retune.schedule.models import RetuneSchedule
 from retune.search.largest import (
-    Direction,
     MemoryModel,
     Mode,
     SearchPlan,

@@ -49,11 +49,11 @@ Example:
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from retune.events import Trial
+from retune.probing.timing import samples_per_second, steady
 from retune.search.largest import SearchResult
 
 EXTRA_TRIALS = 10
@@ -73,19 +73,6 @@ TimeTrial = Callable[[int], tuple[bool, Sequence[float]]]
 def selection_steps(steps_per_trial: int) -> int:
     """Steps of one selection trial: ``steps_per_trial``, raised to :data:`SELECTION_STEPS`."""
     return max(steps_per_trial, SELECTION_STEPS)
-
-
-def steady(step_seconds: Sequence[float] | None) -> list[float]:
-    """The steps of a trial that count: all but the first, which warms up."""
-    return list(step_seconds[1:]) if step_seconds else []
-
-
-def samples_per_second(size: int, step_seconds: Sequence[float]) -> float | None:
-    """``size`` over the median step time (None without a positive timing)."""
-    if not step_seconds:
-        return None
-    median = statistics.median(step_seconds)
-    return size / median if median > 0 else None
 
 
 @dataclass(frozen=True)
@@ -335,9 +322,7 @@ __all__ = [
     "choose",
     "SELECTION_STEPS",
     "choose_fastest",
-    "samples_per_second",
     "selection_steps",
-    "steady",
     "timed_sizes",
     "trial_rates",
     "with_choice",

@@ -50,7 +50,7 @@ CAPACITY = 40_000_000  # oracle bytes: the true maximum is a few hundred samples
 
 def _worker(name: str, out: Path) -> None:
     from retune import ScheduledBatchSizeFinder, compat
-    from retune.compat import strategies as sharded
+    from retune.distributed.fsdp2 import ShardedTrials
     from retune.probing import prober as probe
     from retune.probing.snapshot import TrainingSnapshot
     from tests.lightning_ns import pl
@@ -61,7 +61,7 @@ def _worker(name: str, out: Path) -> None:
         # the guard's share of the search time: the same search without the status all-reduces. Safe
         # here only because every rank runs out of memory at the same sizes, before any collective
         def unguarded(trainer: Any, pl_module: Any) -> Any:
-            trials = sharded.ShardedTrials(trainer, pl_module)
+            trials = ShardedTrials(pl_module, trainer.world_size, trainer.strategy.root_device)
             trials.distributed = False
             return trials
 

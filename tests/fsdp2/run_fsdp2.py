@@ -42,7 +42,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader
 
 from retune import ScheduledBatchSizeFinder
-from retune.compat.strategies import fsdp_modules
+from retune.distributed.fsdp2 import fsdp_modules
 from retune.distributed.local_shards import local
 from retune.probing.snapshot import TrainingSnapshot
 from tests.dist_utils import leave_rank
