@@ -11,7 +11,6 @@ copied back just to be overwritten by the next one).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -23,7 +22,7 @@ from retune.compat.strategies import sharded_trials
 from retune.distributed.collective_guard import PeerFailed
 from retune.errors import RetuneError
 from retune.memory import measure_peak, tensor_bytes
-from retune.oom import is_oom_error
+from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.probing.snapshot import TrainingSnapshot, sampler_generators
 from retune.probing.timing import Clock, default_clock, timed
 from retune.recovery.split import SplitError, batch_length
@@ -31,21 +30,6 @@ from retune.search.throughput import samples_per_second, steady
 
 TrialReport = Callable[[int, bool, int | None, float | None], None]
 """``on_trial(size, fits, peak_bytes, samples_per_s)``, called after every trial on every rank."""
-
-
-def _free_memory(collect: bool) -> None:
-    """Hand freed blocks back to the device allocator.
-
-    A full ``gc.collect`` costs about 0.2 s in a process that imported Lightning, so it only runs
-    after an OOM on an accelerator, where reference cycles in the traceback could keep the failed
-    step's tensors alive and make the next, smaller trial fail too. CPU tensors are freed by
-    reference counting as soon as the exception is dropped.
-    """
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
-        return
-    if collect:
-        gc.collect()
-    torch.cuda.empty_cache()
 
 
 def capture_run_state(trainer: Any, pl_module: Any, training: bool = True) -> TrainingSnapshot:
@@ -125,7 +109,7 @@ class Prober:
             self._snapshot = None
             if self._sharded is not None:
                 self._sharded.prepare()  # an evaluation probe leaves FSDP2's root unsharded: as before the search
-            _free_memory(collect=False)
+            clear_device_cache(collect=False)  # the trials' cached blocks: training starts with the device's memory
 
     @property
     def snapshot_bytes(self) -> int:
@@ -209,6 +193,7 @@ class Prober:
                 status = "peer"
             elif is_oom_error(exc):
                 status = "oom"
+                forget_exception(exc)  # the failed trial's frames and activations: gone before the next trial
             else:
                 status, error = "error", exc
         finally:
@@ -216,7 +201,8 @@ class Prober:
                 for optimizer in self.trainer.optimizers:
                     optimizer.zero_grad(set_to_none=True)
             loader = None
-            _free_memory(collect=status == "oom")
+            if status == "oom":
+                clear_device_cache()
             for generator, state in generators:
                 generator.set_state(state)
         return status, (peak if status == "fits" else None), error
