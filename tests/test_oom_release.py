@@ -22,6 +22,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
+from retune.lr.probe import run_range_test
+from retune.lr.range_test import RangeTest
 from retune.probing.prober import Prober
 from tests.lightning_ns import pl, seed
 from tests.oom_oracle import FailInBackward
@@ -139,3 +141,28 @@ def test_a_probe_trial_after_an_oom_starts_without_the_failed_trial(where: str) 
     _trainer(probe, limit_train_batches=1, limit_val_batches=0).fit(model)
     assert probe.fits == [False, True]
     assert model.alive and not any(model.alive[0]), model.alive
+
+
+class _RangeTestAt(pl.Callback):  # type: ignore[misc]
+    """Runs a learning-rate range test whose first step runs out of memory; checks what the error still holds."""
+
+    def __init__(self) -> None:
+        self.alive: list[bool] | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: _Watched) -> None:
+        try:
+            run_range_test(trainer, pl_module, [0], RangeTest([1e-3, 1e-2]))
+        except torch.OutOfMemoryError as exc:
+            assert "oracle" in str(exc) and exc.__traceback__ is not None  # the user's error, with its traceback
+            self.alive = [ref() is not None for ref in pl_module.refs]
+        pl_module.capacity = 1000  # the run's own steps fit
+
+
+def test_an_oom_in_the_range_test_reaches_the_user_without_the_failed_steps_tensors() -> None:
+    """The range test re-raises the OOM (it has no smaller step to try); the error keeps its message and
+    traceback lines, but not the failed step's activation, so a caller that catches it has the memory back."""
+    seed(0)
+    model = _Watched("forward")
+    probe = _RangeTestAt()
+    _trainer(probe, limit_train_batches=1, limit_val_batches=0).fit(model)
+    assert probe.alive == [False]
