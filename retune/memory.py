@@ -38,6 +38,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from retune.allocator import MemoryStats, stats_for
 from retune.distributed.local_shards import local
 
 
@@ -188,31 +189,41 @@ def device_total_bytes(device: torch.device) -> int | None:
 
 @dataclasses.dataclass
 class PeakReading:
-    """Filled in when the measured block ends; ``peak_bytes`` is None when no statistic exists."""
+    """Filled in when the measured block ends; ``peak_bytes`` is None when no statistic exists.
+
+    ``peak_bytes`` is the peak of allocated bytes (what tensors used); ``peak_reserved`` the peak of
+    what a caching allocator held from the device meanwhile (None on CPU, which has no such cache).
+    """
 
     peak_bytes: int | None = None
     source: str = "none"
+    peak_reserved: int | None = None
 
 
 @contextmanager
 def measure_peak(
-    device: torch.device, module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+    device: torch.device,
+    module: torch.nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    stats: MemoryStats | None = None,
 ) -> Iterator[PeakReading]:
-    """Measure the peak memory of the block on ``device`` (CUDA statistics, or the CPU tracker).
+    """Measure the peak memory of the block on ``device`` (allocator statistics, or the CPU tracker).
 
-    The reading is filled in even when the block raises (a budget check needs the peak of a probe
-    that ran fine but used too much; an OOM leaves it partial, which the caller ignores).
+    ``stats``: the device allocator's statistics (:func:`retune.allocator.stats_for`, CUDA's by
+    default); given, they are read on any device (a test's simulated allocator on the CPU). The
+    reading is filled in even when the block raises (a budget check needs the peak of a probe that
+    ran fine but used too much; an OOM leaves it partial, which the caller ignores).
     """
     reading = PeakReading()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    stats = stats if stats is not None else stats_for(device)
+    if stats is not None:
+        stats.reset_peaks()
         try:
             yield reading
         finally:
-            torch.cuda.synchronize(device)
-            reading.peak_bytes = int(torch.cuda.max_memory_allocated(device))
-            reading.source = "cuda"
+            now = stats.read()
+            reading.peak_bytes, reading.peak_reserved = now.peak_allocated, now.peak_reserved
+            reading.source = "allocator"
         return
     if device.type == "cpu":
         base = resident_bytes(module, list(optimizers))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from retune import compat
+from retune.allocator import MemoryStats, fits_within, process_limit, stats_for
 from retune.compat.strategies import sharded_trials
 from retune.distributed.collective_guard import PeerFailed
 from retune.errors import RetuneError
@@ -94,6 +95,14 @@ class Prober:
         self._snapshot: TrainingSnapshot | None = None
         self._trials_run = 0  # in the current session
         self._sharded = sharded_trials(trainer, pl_module)  # FSDP2: guarded trials, reset after a failure
+        self._stats: MemoryStats | None = None  # the device allocator's statistics (CUDA), per session
+        self.limit: int | None = budget_bytes
+        """The bytes a trial may peak at: the budget, else what this process can get from a caching allocator
+        (:func:`retune.allocator.process_limit`, read at the session's start), else None (only a real OOM fails)."""
+        self.headroom = 0
+        """The largest unreleasable fragmentation measured after a trial this session (reserved but unallocated
+        after the cache was emptied): a trial fits only if its peak leaves that much below the limit."""
+        self._reserved: int | None = None  # the current trial's peak reserved bytes
 
     @contextmanager
     def session(self) -> Iterator[Callable[[int], bool]]:
@@ -102,6 +111,11 @@ class Prober:
             self._sharded.prepare()
         self._snapshot = capture_run_state(self.trainer, self.pl_module, training=self.stage == "train")
         self._trials_run = 0
+        self._stats = stats_for(self.pl_module.device)
+        self.headroom = 0
+        if self.budget_bytes is None and self._stats is not None:
+            clear_device_cache(collect=False)
+            self.limit = process_limit(self._stats)
         try:
             yield self.fits
         finally:
@@ -150,8 +164,9 @@ class Prober:
         status, peak, error = self._local_trial(size)
         message = "" if error is None else f"{type(error).__name__}: {error}"
         times = self._times if status == "fits" else None
-        gathered = compat.all_gather_object(self.trainer, (status, peak, message, times))
-        outcomes = [(state, rank_peak, text) for state, rank_peak, text, _ in gathered]
+        memory = (self._reserved if status == "fits" else None, self.headroom)
+        gathered = compat.all_gather_object(self.trainer, (status, peak, message, times, memory))
+        outcomes = [(state, rank_peak, text) for state, rank_peak, text, _, _ in gathered]
         failed = [(rank, text) for rank, (state, _, text) in enumerate(outcomes) if state == "error"]
         if failed:
             if error is not None:
@@ -161,10 +176,13 @@ class Prober:
         ok = all(state == "fits" for state, _, _ in outcomes)
         peaks = [p for _, p, _ in outcomes]
         agreed_peak = max(p for p in peaks if p is not None) if ok and all(p is not None for p in peaks) else None
-        if ok and agreed_peak is not None and self.budget_bytes is not None and agreed_peak > self.budget_bytes:
-            ok = False  # ran, but needs more than the budget allows
+        reserved = [r for *_, (r, _) in gathered if r is not None]
+        self.headroom = max(h for *_, (_, h) in gathered)
+        if ok and agreed_peak is not None and self.limit is not None:
+            # ran, but needs more than the budget (or the process's share of the device) allows
+            ok = fits_within(agreed_peak, max(reserved, default=None), self.limit, self.headroom)
         self.peaks.append(agreed_peak)
-        agreed_times = _slowest_rank([t for _, _, _, t in gathered]) if ok else None
+        agreed_times = _slowest_rank([t for _, _, _, t, _ in gathered]) if ok else None
         self.step_times.append(agreed_times)
         if self.on_trial is not None:
             self.on_trial(size, ok, agreed_peak, samples_per_second(size, steady(agreed_times)))
@@ -177,6 +195,7 @@ class Prober:
         generators: list[tuple[torch.Generator, torch.Tensor]] = []
         status, error, peak = "fits", None, None
         self._times = None
+        self._reserved = None
         try:
             with self._isolated():
                 if self._trials_run:
@@ -201,8 +220,11 @@ class Prober:
                 for optimizer in self.trainer.optimizers:
                     optimizer.zero_grad(set_to_none=True)
             loader = None
-            if status == "oom":
-                clear_device_cache()
+            if status == "oom" or self._stats is not None:
+                clear_device_cache(collect=status == "oom")
+            if self._stats is not None and status == "fits":
+                left = self._stats.read()  # what emptying the cache could not give back: fragmented segments
+                self.headroom = max(self.headroom, left.reserved - left.allocated)
             for generator, state in generators:
                 generator.set_state(state)
         return status, (peak if status == "fits" else None), error
@@ -237,7 +259,11 @@ class Prober:
         try:
             for raw, batch_idx, dataloader_idx in batches:
                 with ExitStack() as stack:
-                    reading = stack.enter_context(measure_peak(device, self.pl_module, optimizers)) if track else None
+                    reading = (
+                        stack.enter_context(measure_peak(device, self.pl_module, optimizers, self._stats))
+                        if track
+                        else None
+                    )
                     if times is not None and _holds(raw, size):
                         stack.enter_context(timed(device, self.clock, times))
                     batch = compat.batch_to_device(self.trainer, self.pl_module, raw, dataloader_idx)
@@ -246,6 +272,8 @@ class Prober:
                     del batch, raw
                     continue
                 step_peak = reading.peak_bytes
+                if reading.peak_reserved is not None:
+                    self._reserved = max(self._reserved or 0, reading.peak_reserved)
                 if step_peak is not None and device.type == "cpu":
                     step_peak += tensor_bytes(raw)
                 del batch, raw
