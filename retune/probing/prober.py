@@ -22,7 +22,7 @@ from retune.allocator import MemoryStats, fits_within, process_limit, stats_for
 from retune.compat.strategies import sharded_trials
 from retune.distributed.collective_guard import PeerFailed
 from retune.errors import RetuneError
-from retune.memory import measure_peak, tensor_bytes
+from retune.memory import measure_peak, resident_in_evaluation, tensor_bytes
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.probing.snapshot import TrainingSnapshot, sampler_generators
 from retune.probing.timing import Clock, default_clock, timed
@@ -103,6 +103,9 @@ class Prober:
         """The largest unreleasable fragmentation measured after a trial this session (reserved but unallocated
         after the cache was emptied): a trial fits only if its peak leaves that much below the limit."""
         self._reserved: int | None = None  # the current trial's peak reserved bytes
+        self.eval_extra = 0
+        """Evaluation inside fit: bytes the training steps leave resident when validation really runs (gradients,
+        optimizer state, the state the next step creates for parameters just unfrozen), added to every peak."""
 
     @contextmanager
     def session(self) -> Iterator[Callable[[int], bool]]:
@@ -113,6 +116,9 @@ class Prober:
         self._trials_run = 0
         self._stats = stats_for(self.pl_module.device)
         self.headroom = 0
+        in_fit = self.stage != "train" and compat.trainer_fn(self.trainer) == "fit"
+        optimizers = list(self.trainer.optimizers) if in_fit else []
+        self.eval_extra = resident_in_evaluation(self.pl_module, optimizers, self._stats is not None) if in_fit else 0
         if self.budget_bytes is None and self._stats is not None:
             clear_device_cache(collect=False)
             self.limit = process_limit(self._stats)
@@ -260,7 +266,9 @@ class Prober:
             for raw, batch_idx, dataloader_idx in batches:
                 with ExitStack() as stack:
                     reading = (
-                        stack.enter_context(measure_peak(device, self.pl_module, optimizers, self._stats))
+                        stack.enter_context(
+                            measure_peak(device, self.pl_module, optimizers, self._stats, self.eval_extra)
+                        )
                         if track
                         else None
                     )
