@@ -27,6 +27,7 @@ less (fusion, fewer saved activations), so the size found is on the safe side.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -38,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from retune.allocator import MemoryStats, stats_for
 from retune.distributed.local_shards import local
 
 
@@ -136,6 +138,95 @@ def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Opt
     return sum(seen.values())
 
 
+def _storage_bytes(tensors: Iterable[Any]) -> int:
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            storage = local(tensor).untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
+def resident_in_evaluation(
+    module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer], counted_now: bool
+) -> int:
+    """Bytes resident when validation runs inside fit that an evaluation probe run now would not see.
+
+    Validation runs after training steps, and they leave memory behind: every trainable parameter's
+    gradient (Lightning sets gradients to None at the *next* step's ``zero_grad``, not after the
+    optimizer step) and the optimizer's state, including the state the next optimizer step creates
+    for parameters that have none yet: the ones just unfrozen, whose search runs before any step
+    (issue 27: validation after an unfreeze reached 1.061x its budget on an H200).
+
+    ``counted_now``: the probe's statistic already counts what exists now (a device allocator's
+    allocated bytes); only what does not exist yet is added. Otherwise (the CPU tracker, which
+    counts parameters and buffers only for an evaluation probe) the existing gradients and state
+    are added as well.
+    """
+    optimizers = list(optimizers)
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    missing_grads = [p for p in trainable if p.grad is None]
+    extra = sum(local(p).numel() * p.element_size() for p in missing_grads)  # allocated by the next backward
+    if not counted_now:
+        extra += _storage_bytes(p.grad for p in trainable if p.grad is not None)
+        extra += _storage_bytes(value for opt in optimizers for state in opt.state.values() for value in state.values())
+    for optimizer in optimizers:
+        extra += pending_state_bytes(optimizer)
+    return extra
+
+
+def pending_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state the next step will create: trainable parameters with no state yet.
+
+    Found by stepping the same optimizer class, with each group's options, on a one- and a
+    two-element stand-in of the parameter's dtype on the CPU: the difference is the state per
+    element (Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's momentum buffer), the rest is per
+    parameter (Adam's ``step``). An optimizer that cannot be stepped that way is assumed to keep
+    two values per element, as the Adam family does.
+    """
+    total = 0
+    cache: dict[tuple[torch.dtype, int], tuple[int, int]] = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if not param.requires_grad or optimizer.state.get(param):
+                continue
+            key = (param.dtype, index)
+            if key not in cache:
+                cache[key] = _state_line(optimizer, group, param.dtype)
+            fixed, per_element = cache[key]
+            total += fixed + per_element * local(param).numel()
+    return total
+
+
+def _state_line(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: torch.dtype) -> tuple[int, int]:
+    """``(bytes per parameter, bytes per element)`` of the state ``optimizer``'s class creates in one step."""
+    options = {key: value for key, value in group.items() if key != "params"}
+    accepted: Mapping[str, inspect.Parameter]
+    try:
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a constructor without a signature
+        accepted = {}
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        # a group also holds what the class derives or a scheduler adds (AdamW's decoupled_weight_decay, initial_lr)
+        options = {key: value for key, value in options.items() if key in accepted}
+    for key in ("foreach", "fused", "capturable", "differentiable"):
+        if key in options:
+            options[key] = False  # a plain CPU step: the state's size does not depend on the kernel
+    sizes = []
+    try:
+        for numel in (1, 2):
+            stand_in = torch.zeros(numel, dtype=dtype, requires_grad=True)
+            stand_in.grad = torch.zeros(numel, dtype=dtype)
+            trial = type(optimizer)([stand_in], **options)
+            trial.step()
+            sizes.append(_storage_bytes(trial.state[stand_in].values()))
+    except Exception:  # a custom optimizer with another constructor or step: the Adam family's two buffers
+        size = torch.empty((), dtype=dtype).element_size()
+        return 0, 2 * size
+    per_element = sizes[1] - sizes[0]
+    return sizes[0] - per_element, per_element
+
+
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the distinct tensor storages in a (nested) batch.
 
@@ -188,31 +279,44 @@ def device_total_bytes(device: torch.device) -> int | None:
 
 @dataclasses.dataclass
 class PeakReading:
-    """Filled in when the measured block ends; ``peak_bytes`` is None when no statistic exists."""
+    """Filled in when the measured block ends; ``peak_bytes`` is None when no statistic exists.
+
+    ``peak_bytes`` is the peak of allocated bytes (what tensors used); ``peak_reserved`` the peak of
+    what a caching allocator held from the device meanwhile (None on CPU, which has no such cache).
+    """
 
     peak_bytes: int | None = None
     source: str = "none"
+    peak_reserved: int | None = None
 
 
 @contextmanager
 def measure_peak(
-    device: torch.device, module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+    device: torch.device,
+    module: torch.nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    stats: MemoryStats | None = None,
+    extra: int = 0,
 ) -> Iterator[PeakReading]:
-    """Measure the peak memory of the block on ``device`` (CUDA statistics, or the CPU tracker).
+    """Measure the peak memory of the block on ``device`` (allocator statistics, or the CPU tracker).
 
-    The reading is filled in even when the block raises (a budget check needs the peak of a probe
-    that ran fine but used too much; an OOM leaves it partial, which the caller ignores).
+    ``stats``: the device allocator's statistics (:func:`retune.allocator.stats_for`, CUDA's by
+    default); given, they are read on any device (a test's simulated allocator on the CPU).
+    ``extra``: bytes added to both peaks (what will be resident when the real step runs and is not
+    now: :func:`resident_in_evaluation`). The
+    reading is filled in even when the block raises (a budget check needs the peak of a probe that
+    ran fine but used too much; an OOM leaves it partial, which the caller ignores).
     """
     reading = PeakReading()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    stats = stats if stats is not None else stats_for(device)
+    if stats is not None:
+        stats.reset_peaks()
         try:
             yield reading
         finally:
-            torch.cuda.synchronize(device)
-            reading.peak_bytes = int(torch.cuda.max_memory_allocated(device))
-            reading.source = "cuda"
+            now = stats.read()
+            reading.peak_bytes, reading.peak_reserved = now.peak_allocated + extra, now.peak_reserved + extra
+            reading.source = "allocator"
         return
     if device.type == "cpu":
         base = resident_bytes(module, list(optimizers))
@@ -221,7 +325,7 @@ def measure_peak(
             with tracker:
                 yield reading
         finally:
-            reading.peak_bytes = base + tracker.peak_bytes
+            reading.peak_bytes = base + tracker.peak_bytes + extra
             reading.source = "cpu-tracker"
         return
     yield reading

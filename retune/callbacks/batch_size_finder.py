@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from retune import compat, messages
+from retune.allocator import EXPANDABLE_ADVICE, expandable_segments, stats_for
 from retune.buckets.train_buckets import BucketState, TrainBuckets
 from retune.callbacks.base import RetuneCallback, load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.callbacks.ordering import move_retune_last
@@ -179,6 +180,9 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         if self._disabled:
             return
         self._move_last(trainer)  # again: another callback's setup may have rebuilt the list
+        no_slack = self.schedule.search.margin == 0 or self.schedule.search.mode == "power"  # power applies none
+        if no_slack and stats_for(pl_module.device) is not None and not expandable_segments():
+            self._say(EXPANDABLE_ADVICE, warn=True)  # a caching allocator, no slack for its fragmentation
         if self._restored and self.batch_sizes:
             for stage, size in self.batch_sizes.items():
                 if stage in ("train", "val"):

@@ -29,6 +29,7 @@ from retune import compat
 from retune.distributed.grad_sync import all_reduce_gradients
 from retune.errors import RetuneError
 from retune.lr.range_test import RangeTest
+from retune.oom import clear_device_cache, clear_frame_locals, is_oom_error
 from retune.probing.batch_size_attr import loader_batch_size
 from retune.probing.prober import capture_run_state
 from retune.probing.snapshot import sampler_generators
@@ -102,8 +103,12 @@ def _one_step(trainer: Any, pl_module: Any, batches: Any, distributed: bool, ste
         loss = float(value.detach().float().item())
     except BaseException as exc:  # every rank must reach the collectives below, whatever failed
         error = exc
+        if is_oom_error(exc):
+            clear_frame_locals(exc)  # raised to the user below, without the failed step's tensors
         if sync is not None and not sync.done:
             sync.join_failed()
+    if error is not None and is_oom_error(error):
+        clear_device_cache()  # the failed step's blocks, before the snapshot is restored and the error raised
     message = "" if error is None else f"{type(error).__name__}: {error}"
     outcomes = compat.all_gather_object(trainer, (loss, message))
     failed = [(rank, text) for rank, (_, text) in enumerate(outcomes) if text]

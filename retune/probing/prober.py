@@ -11,7 +11,6 @@ copied back just to be overwritten by the next one).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
@@ -19,32 +18,18 @@ from typing import Any
 import torch
 
 from retune import compat
+from retune.allocator import MemoryStats, fits_within, process_limit, stats_for
 from retune.distributed.collective_guard import PeerFailed
 from retune.distributed.fsdp2 import ShardedTrials
 from retune.errors import RetuneError
-from retune.memory import measure_peak, tensor_bytes
-from retune.oom import is_oom_error
+from retune.memory import measure_peak, resident_in_evaluation, tensor_bytes
+from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.probing.snapshot import TrainingSnapshot, sampler_generators
 from retune.probing.timing import Clock, default_clock, samples_per_second, steady, timed
 from retune.recovery.split import SplitError, batch_length
 
 TrialReport = Callable[[int, bool, int | None, float | None], None]
 """``on_trial(size, fits, peak_bytes, samples_per_s)``, called after every trial on every rank."""
-
-
-def _free_memory(collect: bool) -> None:
-    """Hand freed blocks back to the device allocator.
-
-    A full ``gc.collect`` costs about 0.2 s in a process that imported Lightning, so it only runs
-    after an OOM on an accelerator, where reference cycles in the traceback could keep the failed
-    step's tensors alive and make the next, smaller trial fail too. CPU tensors are freed by
-    reference counting as soon as the exception is dropped.
-    """
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):  # type: ignore[no-untyped-call]
-        return
-    if collect:
-        gc.collect()
-    torch.cuda.empty_cache()
 
 
 def capture_run_state(trainer: Any, pl_module: Any, training: bool = True) -> TrainingSnapshot:
@@ -117,6 +102,17 @@ class Prober:
         self._snapshot: TrainingSnapshot | None = None
         self._trials_run = 0  # in the current session
         self._sharded = sharded_trials(trainer, pl_module)  # FSDP2: guarded trials, reset after a failure
+        self._stats: MemoryStats | None = None  # the device allocator's statistics (CUDA), per session
+        self.limit: int | None = budget_bytes
+        """The bytes a trial may peak at: the budget, else what this process can get from a caching allocator
+        (:func:`retune.allocator.process_limit`, read at the session's start), else None (only a real OOM fails)."""
+        self.headroom = 0
+        """The largest unreleasable fragmentation measured after a trial this session (reserved but unallocated
+        after the cache was emptied): a trial fits only if its peak leaves that much below the limit."""
+        self._reserved: int | None = None  # the current trial's peak reserved bytes
+        self.eval_extra = 0
+        """Evaluation inside fit: bytes the training steps leave resident when validation really runs (gradients,
+        optimizer state, the state the next step creates for parameters just unfrozen), added to every peak."""
 
     @contextmanager
     def session(self) -> Iterator[Callable[[int], bool]]:
@@ -125,6 +121,14 @@ class Prober:
             self._sharded.prepare()
         self._snapshot = capture_run_state(self.trainer, self.pl_module, training=self.stage == "train")
         self._trials_run = 0
+        self._stats = stats_for(self.pl_module.device)
+        self.headroom = 0
+        in_fit = self.stage != "train" and compat.trainer_fn(self.trainer) == "fit"
+        optimizers = list(self.trainer.optimizers) if in_fit else []
+        self.eval_extra = resident_in_evaluation(self.pl_module, optimizers, self._stats is not None) if in_fit else 0
+        if self.budget_bytes is None and self._stats is not None:
+            clear_device_cache(collect=False)
+            self.limit = process_limit(self._stats)
         try:
             yield self.fits
         finally:
@@ -132,7 +136,7 @@ class Prober:
             self._snapshot = None
             if self._sharded is not None:
                 self._sharded.prepare()  # an evaluation probe leaves FSDP2's root unsharded: as before the search
-            _free_memory(collect=False)
+            clear_device_cache(collect=False)  # the trials' cached blocks: training starts with the device's memory
 
     @property
     def snapshot_bytes(self) -> int:
@@ -173,8 +177,9 @@ class Prober:
         status, peak, error = self._local_trial(size)
         message = "" if error is None else f"{type(error).__name__}: {error}"
         times = self._times if status == "fits" else None
-        gathered = compat.all_gather_object(self.trainer, (status, peak, message, times))
-        outcomes = [(state, rank_peak, text) for state, rank_peak, text, _ in gathered]
+        memory = (self._reserved if status == "fits" else None, self.headroom)
+        gathered = compat.all_gather_object(self.trainer, (status, peak, message, times, memory))
+        outcomes = [(state, rank_peak, text) for state, rank_peak, text, _, _ in gathered]
         failed = [(rank, text) for rank, (state, _, text) in enumerate(outcomes) if state == "error"]
         if failed:
             if error is not None:
@@ -184,10 +189,13 @@ class Prober:
         ok = all(state == "fits" for state, _, _ in outcomes)
         peaks = [p for _, p, _ in outcomes]
         agreed_peak = max(p for p in peaks if p is not None) if ok and all(p is not None for p in peaks) else None
-        if ok and agreed_peak is not None and self.budget_bytes is not None and agreed_peak > self.budget_bytes:
-            ok = False  # ran, but needs more than the budget allows
+        reserved = [r for *_, (r, _) in gathered if r is not None]
+        self.headroom = max(h for *_, (_, h) in gathered)
+        if ok and agreed_peak is not None and self.limit is not None:
+            # ran, but needs more than the budget (or the process's share of the device) allows
+            ok = fits_within(agreed_peak, max(reserved, default=None), self.limit, self.headroom)
         self.peaks.append(agreed_peak)
-        agreed_times = _slowest_rank([t for _, _, _, t in gathered]) if ok else None
+        agreed_times = _slowest_rank([t for _, _, _, t, _ in gathered]) if ok else None
         self.step_times.append(agreed_times)
         if self.on_trial is not None:
             self.on_trial(size, ok, agreed_peak, samples_per_second(size, steady(agreed_times)))
@@ -200,6 +208,7 @@ class Prober:
         generators: list[tuple[torch.Generator, torch.Tensor]] = []
         status, error, peak = "fits", None, None
         self._times = None
+        self._reserved = None
         try:
             with self._isolated():
                 if self._trials_run:
@@ -216,6 +225,7 @@ class Prober:
                 status = "peer"
             elif is_oom_error(exc):
                 status = "oom"
+                forget_exception(exc)  # the failed trial's frames and activations: gone before the next trial
             else:
                 status, error = "error", exc
         finally:
@@ -223,7 +233,11 @@ class Prober:
                 for optimizer in self.trainer.optimizers:
                     optimizer.zero_grad(set_to_none=True)
             loader = None
-            _free_memory(collect=status == "oom")
+            if status == "oom" or self._stats is not None:
+                clear_device_cache(collect=status == "oom")
+            if self._stats is not None and status == "fits":
+                left = self._stats.read()  # what emptying the cache could not give back: fragmented segments
+                self.headroom = max(self.headroom, left.reserved - left.allocated)
             for generator, state in generators:
                 generator.set_state(state)
         return status, (peak if status == "fits" else None), error
@@ -258,7 +272,13 @@ class Prober:
         try:
             for raw, batch_idx, dataloader_idx in batches:
                 with ExitStack() as stack:
-                    reading = stack.enter_context(measure_peak(device, self.pl_module, optimizers)) if track else None
+                    reading = (
+                        stack.enter_context(
+                            measure_peak(device, self.pl_module, optimizers, self._stats, self.eval_extra)
+                        )
+                        if track
+                        else None
+                    )
                     if times is not None and _holds(raw, size):
                         stack.enter_context(timed(device, self.clock, times))
                     batch = compat.batch_to_device(self.trainer, self.pl_module, raw, dataloader_idx)
@@ -267,6 +287,8 @@ class Prober:
                     del batch, raw
                     continue
                 step_peak = reading.peak_bytes
+                if reading.peak_reserved is not None:
+                    self._reserved = max(self._reserved or 0, reading.peak_reserved)
                 if step_peak is not None and device.type == "cpu":
                     step_peak += tensor_bytes(raw)
                 del batch, raw

@@ -1,10 +1,18 @@
 """Where in a training step an out-of-memory error was raised, and whether a split batch can recover it.
 
 No Lightning import: Lightning calls every hook through a dispatcher whose frame holds the hook's
-name in a local called ``hook_name`` (``_call_lightning_module_hook``, ``_call_callback_hooks``,
+name in its argument ``hook_name`` (``_call_lightning_module_hook``, ``_call_callback_hooks``,
 ``_call_strategy_hook`` on 2.x; the trainer's methods of the same names on 1.9). The innermost such
 frame of the exception's traceback is the hook that ran out of memory. Reading it costs nothing
 until an error happens, unlike tracking the current hook on every step.
+
+Only the dispatchers' frames are read, recognised by their code's name; the others are never
+touched. On Python < 3.13 reading ``f_locals`` stores a snapshot of a frame's locals on the frame,
+and the snapshot of the frame that *caught* the error holds the exception itself: a cycle through
+the traceback that kept the failed attempt's frames and activations alive for as long as retune's
+frame ran, out of the garbage collector's reach (issue 27). A dispatcher's frame has finished by
+the time the error is caught and never holds the exception, so its snapshot goes when the caller
+drops the exception (:func:`retune.oom.forget_exception`).
 
 Recoverable sites are the ones whose memory grows with the batch and that run again, exactly, when
 retune trains the batch as micro-batches: ``training_step``, its backward, and the hooks Lightning
@@ -44,15 +52,25 @@ _AFTER_GRADIENTS = frozenset(
 )
 NOTE_PREFIX = "retune (oom trigger):"
 
+_DISPATCHERS = frozenset(
+    {"_call_lightning_module_hook", "_call_callback_hooks", "_call_strategy_hook", "_call_lightning_datamodule_hook"}
+)
+"""Lightning's functions (2.x) and trainer methods (1.9) that call a hook by its name, ``hook_name``."""
+
 
 def oom_site(traceback: TracebackType | None) -> str | None:
-    """The Lightning hook (or strategy call) innermost in ``traceback``, or None when none is in it."""
+    """The Lightning hook (or strategy call) innermost in ``traceback``, or None when none is in it.
+
+    Reads the locals of Lightning's dispatcher frames only (see the module docstring for why).
+    """
     site = None
     tb = traceback
     while tb is not None:
-        name = tb.tb_frame.f_locals.get("hook_name")
-        if isinstance(name, str):
-            site = name
+        frame = tb.tb_frame
+        if frame.f_code.co_name in _DISPATCHERS:
+            name = frame.f_locals.get("hook_name")
+            if isinstance(name, str):
+                site = name
         tb = tb.tb_next
     return site
 

@@ -32,7 +32,6 @@ What a recovered step guarantees:
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -41,7 +40,7 @@ import torch
 
 from retune import messages
 from retune.errors import RetuneError
-from retune.oom import is_oom_error
+from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.recovery.loss_items import ItemsFn, count_items, resolve_items_fn, token_labels_hint
 from retune.recovery.oom_sites import SPLITTABLE, add_note, oom_site, why_not_recovered
 from retune.recovery.running_stats import RunningStats, needs_two_samples
@@ -49,18 +48,6 @@ from retune.recovery.split import SplitError, SplitFn, batch_length, join_output
 from retune.step_parts import StepParts
 
 LossReduction = Literal["mean", "sum", "token_mean"]
-
-
-def free_accelerator_memory() -> None:
-    """Give the failed attempt's blocks back before the smaller attempt, so it does not fail for fragmentation.
-
-    ``gc.collect`` (reference cycles through the exception's frames can hold the activations) costs
-    about 0.2 s in a process that imported Lightning, so it runs only where a device allocator keeps
-    the blocks; on CPU the failed step's tensors are freed by reference counting when the exception is.
-    """
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 class _KeptSplit:
@@ -124,10 +111,11 @@ class EvalStepRecovery(_KeptSplit):
             except BaseException as exc:
                 if not is_oom_error(exc):
                     raise
+                forget_exception(exc)  # the failed step's activations go with its frames
             finally:
                 stop_journal()
             rollback_logs()  # what the failed step logged before it ran out of memory
-            free_accelerator_memory()
+            clear_device_cache()
             failed_in = "forward"
         total = batch_length(batch) if self.split_fn is None else None
         if total is not None:
@@ -150,7 +138,7 @@ class EvalStepRecovery(_KeptSplit):
             if outputs is not None:
                 break
             restore_logs()
-            free_accelerator_memory()
+            clear_device_cache()
             tried = len(micro)
             pieces = pieces * 2 if total is None else min(pieces * 2, total)
         if not failed_in and tried:
@@ -167,8 +155,10 @@ class EvalStepRecovery(_KeptSplit):
         except BaseException as exc:
             if not is_oom_error(exc):
                 raise
-            return None
-        return outputs
+            forget_exception(exc)
+        else:
+            return outputs
+        return None
 
 
 class FinishedGradients:
@@ -320,6 +310,7 @@ class TrainStepRecovery(_KeptSplit):
             if site is not None and site not in SPLITTABLE:
                 add_note(exc, why_not_recovered(site))
                 raise
+            forget_exception(exc)  # its frames held the failed forward's activations and graph
         # outside the except block: the exception and the frames holding the failed step's tensors are gone
         result = loss = None
         if backward_started:
@@ -331,7 +322,7 @@ class TrainStepRecovery(_KeptSplit):
             rollback_logs()  # what the failed forward logged before it ran out of memory
             if stats is not None:
                 stats.restore()  # and its BatchNorm updates: the micro-batches update them instead
-        free_accelerator_memory()
+        clear_device_cache()
         failed_in = (site if site not in (None, "training_step", "backward") else None) or (
             "backward" if forward_done else "forward"
         )
@@ -456,7 +447,7 @@ class TrainStepRecovery(_KeptSplit):
                 if stats is not None:
                     stats.restore()
                 aside.drop_new()
-                free_accelerator_memory()
+                clear_device_cache()
                 tried, failed_largest = len(micro), largest
                 if size is not None and largest is not None:
                     size = max(1, -(-largest // 2))
@@ -531,10 +522,12 @@ class TrainStepRecovery(_KeptSplit):
             if site is not None and site not in SPLITTABLE:
                 add_note(exc, why_not_recovered(site))
                 raise
-            return None
-        if keep_logs:
-            logs.commit(weights, [_samples_or_none(m) for m in micro], self.loss_reduction == "sum")
-        return results, (combined if combined is not None else torch.zeros(()))
+            forget_exception(exc)
+        else:
+            if keep_logs:
+                logs.commit(weights, [_samples_or_none(m) for m in micro], self.loss_reduction == "sum")
+            return results, (combined if combined is not None else torch.zeros(()))
+        return None  # this frame ends here: the micro-batches' results and graphs go with it
 
 
 def _none() -> None:

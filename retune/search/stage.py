@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from retune import compat
+from retune.allocator import process_limit, stats_for
 from retune.buckets.train_buckets import BucketOutcome, TrainBuckets
 from retune.errors import RetuneError
 from retune.events import Direction, RetuneEvent, Trial
@@ -90,18 +91,27 @@ class Policies:
 def mode_and_limit(schedule: RetuneSchedule, device: Any, budget: int | None) -> tuple[Mode, int | None, str]:
     """The search to run and the memory limit ``model`` mode predicts against.
 
-    ``model`` needs measured peaks and a limit: the budget, or a CUDA device's total memory.
-    Without both it falls back to ``binsearch`` and says so in the event.
+    ``model`` needs measured peaks and a limit: the budget, or what this process can get from the
+    device's caching allocator (:func:`retune.allocator.process_limit`: free memory plus its own
+    reserved, within its memory fraction; not the device's total). Without both it falls back to
+    ``binsearch`` and says so in the event.
     """
     mode = schedule.search.mode
     if mode != "model":
         return mode, budget, ""
     if budget is not None and device.type in ("cpu", "cuda"):
         return "model", budget, ""
-    if device.type == "cuda":
-        return "model", device_total_bytes(device), ""
+    limit = device_limit(device)
+    if limit is not None:
+        return "model", limit, ""
     reason = "no memory.budget set" if budget is None else f"no memory statistics on {device.type}"
     return "binsearch", None, f"model mode needs measured peaks and a limit ({reason}); fell back to binsearch"
+
+
+def device_limit(device: Any) -> int | None:
+    """What this process can get from ``device``'s caching allocator, or None where it has none (CPU)."""
+    stats = stats_for(device)
+    return None if stats is None else process_limit(stats)
 
 
 def search_stage(
@@ -167,7 +177,7 @@ def search_stage(
     shown_mode: str = mode
     if grouped is not None:
         shown_mode, note = "buckets", ""
-        limit = budget if budget is not None else (device_total_bytes(device) if device.type == "cuda" else None)
+        limit = budget if budget is not None else device_limit(device)
         if limit is None:
             note = "no memory limit to model (no memory.budget, no device statistics): each bucket was bisected"
         say(
@@ -184,7 +194,7 @@ def search_stage(
         budget,
         on_trial=on_trial,
         stage=stage,
-        track_memory=shown_mode in ("model", "buckets") or device.type == "cuda",
+        track_memory=shown_mode in ("model", "buckets") or stats_for(device) is not None,  # a caching allocator
         arrange=lambda loader: probe_batches.arrange(loader, stage, prober.steps_per_trial),
         time_steps=config.objective == "throughput",
         clock=clock,

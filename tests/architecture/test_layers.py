@@ -42,6 +42,7 @@ RANKS: dict[str, int] = {
     "retune.step_parts": 0,
     "retune.distributed": 1,
     "retune.memory": 1,
+    "retune.allocator": 1,
     "retune.schedule": 1,
     "retune.compat": 2,
     "retune.probing": 3,

@@ -16,7 +16,11 @@ scenario (MLP, small CNN, small transformer encoder, backbone + head, AdamW):
 * the true maximum at fit start, located by bisection with retune's prober and verified at max and
   max + 1.
 
-It prints a table and writes JSON.
+Every run trains after its search, so a size that fit in a probe but not in training would end the
+benchmark with an OOM (issue 27: no table). retune's runs therefore also have the ``oom`` trigger
+(a real OOM in training is recovered and counted in the row), and any run that still dies is
+recorded as ``died`` in its row: the table is always printed, each scenario's rows as soon as it
+ends (``--scenarios`` picks some; the JSON is rewritten after each).
 """
 
 from __future__ import annotations
@@ -30,16 +34,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pytorch_lightning as pl
-import pytorch_lightning.tuner.batch_size_scaling as scaling
+import importlib
+
 import torch
 import torch.nn.functional as F
-from pytorch_lightning.callbacks import BackboneFinetuning, BatchSizeFinder
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
 from retune.probing.prober import Prober
+from tests.lightning_ns import NAMESPACE, pl
+
+scaling = importlib.import_module(f"{NAMESPACE}.tuner.batch_size_scaling")
+BackboneFinetuning = importlib.import_module(f"{NAMESPACE}.callbacks").BackboneFinetuning
+BatchSizeFinder = importlib.import_module(f"{NAMESPACE}.callbacks").BatchSizeFinder
 
 N = 65536
 
@@ -94,7 +102,18 @@ def _transformer() -> Task:
 SCENARIOS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
 
 
-def _trainer(callbacks: list[Any], epochs: int) -> pl.Trainer:
+def _fit(callbacks: list[Any], epochs: int, module: Task) -> str:
+    """Fit; ``""``, or how the run died (a real OOM in training after a search is a result, not a crash)."""
+    try:
+        _trainer(callbacks, epochs).fit(module)
+    except torch.OutOfMemoryError as exc:
+        return f"OOM: {str(exc).splitlines()[0][:80]}"
+    finally:
+        torch.cuda.empty_cache()
+    return ""
+
+
+def _trainer(callbacks: list[Any], epochs: int) -> Any:
     return pl.Trainer(
         accelerator="cuda", devices=1, max_epochs=epochs, limit_train_batches=2, callbacks=callbacks,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -106,8 +125,9 @@ class TrueMax(pl.Callback):
 
     def __init__(self) -> None:
         self.value = 0
+        self.verified = False
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, module: Task) -> None:
+    def on_train_epoch_start(self, trainer: Any, module: Task) -> None:
         if trainer.current_epoch:
             return
         prober = Prober(trainer, module, "batch_size", 3)
@@ -118,7 +138,7 @@ class TrueMax(pl.Callback):
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 lo, hi = (mid, hi) if prober.fits(mid) else (lo, mid)
-            assert prober.fits(lo) and not prober.fits(lo + 1)
+            self.verified = prober.fits(lo) and not prober.fits(lo + 1)  # in the table, not an assert
         self.value = lo
         module.batch_size = 2
 
@@ -127,7 +147,7 @@ def run(name: str, capacity: int) -> list[dict[str, Any]]:
     rows = []
     pl.seed_everything(0)
     module, true_max = SCENARIOS[name](), TrueMax()
-    _trainer([BackboneFinetuning(unfreeze_backbone_at_epoch=10), true_max], 1).fit(module)
+    _fit([BackboneFinetuning(unfreeze_backbone_at_epoch=10), true_max], 1, module)
     for mode in ("power", "binsearch"):
         pl.seed_everything(0)
         module, count = SCENARIOS[name](), [0]
@@ -141,47 +161,67 @@ def run(name: str, capacity: int) -> list[dict[str, Any]]:
         finder = BatchSizeFinder(mode=mode, margin=0.0)
         started = time.perf_counter()
         try:
-            _trainer([BackboneFinetuning(unfreeze_backbone_at_epoch=10), finder], 1).fit(module)
+            died = _fit([BackboneFinetuning(unfreeze_backbone_at_epoch=10), finder], 1, module)
         finally:
             scaling._try_loop_run = original
         rows.append({"scenario": name, "phase": "cold", "method": f"lightning-{mode}", "trials": count[0],
-                     "found": finder.optimal_batch_size, "true_max": true_max.value,
-                     "seconds": time.perf_counter() - started})  # fmt: skip
+                     "found": finder.optimal_batch_size, "true_max": true_max.value, "verified": true_max.verified,
+                     "seconds": time.perf_counter() - started, "died": died, "recovered": 0})  # fmt: skip
     for mode in ("power", "binsearch", "model"):
         pl.seed_everything(0)
         module = SCENARIOS[name]()
         schedule = {
             "search": {"mode": mode, "margin": 0.0, "max_val": N},
             "memory": {"budget": f"{capacity}B" if mode == "model" else None},
-            "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],
+            # `oom`: a step that still runs out of memory after a search is recovered, and counted below
+            "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}, {"kind": "oom"}],
         }
-        finder = ScheduledBatchSizeFinder(schedule, verbose=False)
-        _trainer([BackboneFinetuning(unfreeze_backbone_at_epoch=1), finder], 2).fit(module)
-        for event, phase in zip(finder.history, ("cold", "retune"), strict=False):
+        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+        died = _fit([BackboneFinetuning(unfreeze_backbone_at_epoch=1), finder], 2, module)
+        searches = [e for e in finder.history if not e.is_recovery]
+        recovered = sum(1 for e in finder.history if e.is_recovery)
+        for event, phase in zip(searches, ("cold", "retune"), strict=False):
             rows.append({"scenario": name, "phase": phase, "method": f"retune-{mode}", "trials": len(event.trials),
                          "found": event.batch_size_after, "true_max": true_max.value if phase == "cold" else None,
-                         "seconds": event.duration_s, "peaks": event.peak_bytes})  # fmt: skip
+                         "verified": true_max.verified, "seconds": event.duration_s, "peaks": event.peak_bytes,
+                         "died": died, "recovered": recovered})  # fmt: skip
+        if not searches:
+            rows.append({"scenario": name, "phase": "cold", "method": f"retune-{mode}", "trials": 0, "found": None,
+                         "true_max": None, "verified": False, "seconds": 0.0, "died": died,
+                         "recovered": recovered})  # fmt: skip
     return rows
 
 
-def main() -> None:
+def line(row: dict[str, Any]) -> str:
+    """One table row (the JSON has every field)."""
+    ratio = "" if not row["true_max"] or not row["found"] else f"{row['found'] / row['true_max']:.3f}"
+    outcome = row["died"] or (f"recovered {row['recovered']}" if row["recovered"] else "trained")
+    head = f"{row['scenario']:12} {row['phase']:7} {row['method']:20} trials {row['trials']:3}"
+    return f"{head} found {row['found']!s:6} true {row['true_max']!s:6} {ratio:6} {row['seconds']:6.2f}s  {outcome}"
+
+
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--capacity-gib", type=float, default=2.0)
+    parser.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--out", type=Path, default=Path("tests/gpu/results.json"))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: run this on a GPU machine")
     total = torch.cuda.get_device_properties(0).total_memory
     capacity = int(args.capacity_gib * 2**30)
     torch.cuda.set_per_process_memory_fraction(min(1.0, capacity / total))
-    rows = [row for name in SCENARIOS for row in run(name, capacity)]
-    for row in rows:
-        ratio = "" if not row["true_max"] else f"{row['found'] / row['true_max']:.3f}"
-        print(f"{row['scenario']:12} {row['phase']:7} {row['method']:20} trials {row['trials']:3} "
-              f"found {row['found']!s:6} true {row['true_max']!s:6} {ratio:6} {row['seconds']:.2f}s")  # fmt: skip
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "capacity": capacity, "rows": rows}))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    for name in args.scenarios:
+        for row in run(name, capacity):
+            rows.append(row)
+            print(line(row), flush=True)
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "capacity": capacity, "rows": rows}))
     print(f"wrote {args.out}")
+    retune_died = [row for row in rows if row["method"].startswith("retune") and row["died"]]
+    return 1 if retune_died else 0  # Lightning's own runs may die: that is what the table shows
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

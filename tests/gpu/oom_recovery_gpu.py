@@ -2,16 +2,20 @@
 
 Not part of the default test run (CI has no GPU). On a machine with a CUDA GPU:
 
-    PYTHONPATH=. python tests/gpu/oom_recovery_gpu.py [--capacity-gib 1.0] [--out tests/gpu/oom_recovery.json]
+    PYTHONPATH=. python tests/gpu/oom_recovery_gpu.py [--capacity-gib GIB] [--out tests/gpu/oom_recovery.json]
 
 The device is capped with ``torch.cuda.set_per_process_memory_fraction`` so that the caching allocator
-raises the real ``torch.OutOfMemoryError``. A transformer encoder trains on token sequences of mixed
-lengths, padded per batch to the longest, at a fixed batch size that fits the short batches but not
-the long ones (the size a search on the first batches picks). Checked:
+raises the real ``torch.OutOfMemoryError``. A transformer encoder trains on token sequences of two
+lengths, padded per batch to the longest: a batch holding a long sequence (twice the short length)
+needs about twice the activation memory of a short one. The cap is calibrated on this device (one
+real step of each kind, uncapped): halfway between the short and the long batch's peak, so a long
+batch runs out of memory whole and fits in two halves (``--capacity-gib`` overrides). Checked:
 
 * without retune the run dies with ``torch.OutOfMemoryError`` (the baseline);
 * with ``oom`` the run finishes, every sample trains once, ``global_step`` is the baseline's plan, and
   the weights match a run on an uncapped device within a tolerance (the same data order, fp32);
+* every recovery splits a long batch into exactly 2 micro-batches (issue 27: a failed attempt that
+  stayed resident made it 48 micro-batches of 1, and the next step died);
 * the recovered step's time against a normal step's, and the peak memory after recovery.
 
 It prints a summary and writes JSON. Exit status 1 when a check fails.
@@ -29,13 +33,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from retune import ScheduledBatchSizeFinder
+from tests.lightning_ns import pl
 
 VOCAB, DIM = 8000, 512
 
@@ -122,14 +126,45 @@ def fit(data: Tokens, batch_size: int, oom: bool) -> tuple[Encoder, Any, Schedul
     return model, trainer, finder if oom else None, error
 
 
+def step_peak(model: Encoder, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor]) -> int:
+    """Peak reserved bytes of one real training step on ``batch`` (forward, backward, optimizer step)."""
+    batch = {key: value.cuda() for key, value in batch.items()}
+    optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    F.cross_entropy(model.head(model.encoder(model.embed(batch["ids"])).mean(1)), batch["labels"]).backward()
+    optimizer.step()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_reserved())
+
+
+def calibrate(data: Tokens, batch_size: int) -> tuple[int, int]:
+    """``(short, long)``: the peak reserved bytes of a step on a batch of short and of long sequences."""
+    model = Encoder(data, batch_size).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    short = collate([data[i] for i in range(batch_size)])
+    long = collate([(data[i][0].repeat(2), data[i][1], i) for i in range(batch_size)])
+    step_peak(model, optimizer, short)  # the optimizer state exists from here on, as in training
+    peaks = step_peak(model, optimizer, short), step_peak(model, optimizer, long)
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return peaks
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--capacity-gib", type=float, default=1.0)
+    parser.add_argument("--capacity-gib", type=float, default=None, help="default: calibrated on this device")
     parser.add_argument("--batch-size", type=int, default=48)
     parser.add_argument("--out", type=Path, default=Path("tests/gpu/oom_recovery.json"))
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: run this on a GPU machine")
     total = torch.cuda.get_device_properties(0).total_memory
-    data = Tokens(n=args.batch_size * 12, short=64, long=512, every=args.batch_size * 3)
+    data = Tokens(n=args.batch_size * 12, short=64, long=128, every=args.batch_size * 3)
+    short_peak, long_peak = calibrate(data, args.batch_size)
+    if args.capacity_gib is None:
+        args.capacity_gib = (short_peak + long_peak) / 2 / 2**30
 
     reference, ref_trainer, _, ref_error = fit(data, args.batch_size, oom=False)  # uncapped device
     torch.cuda.empty_cache()
@@ -148,6 +183,7 @@ def main(argv: list[str]) -> int:
     result = {
         "device": torch.cuda.get_device_name(0),
         "capacity_gib": args.capacity_gib,
+        "calibrated_peaks_gib": {"short": short_peak / 2**30, "long": long_peak / 2**30},
         "reference_error": ref_error,
         "without_retune": base_error or "finished (capacity too large to show an OOM: lower --capacity-gib)",
         "with_oom_trigger_error": error,
@@ -164,6 +200,8 @@ def main(argv: list[str]) -> int:
         "baseline dies of OOM": bool(base_error),
         "with oom: finished": not error,
         "recovered at least once": bool(recoveries),
+        "every recovery split in 2 micro-batches": bool(recoveries)
+        and all(r["micro_batches"] == 2 for r in recoveries),
         "global_step as planned": trainer.global_step == ref_trainer.global_step,
         "every sample once": result["every_sample_once"],
         "weights within 1e-3 of the uncapped run": diff < 1e-3,
