@@ -27,7 +27,7 @@ from retune.buckets.sizes import BucketMemory, BucketSearchResult, BucketTrial, 
 from retune.buckets.throughput import bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
 from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
 from retune.probing.prober import Prober
-from retune.search.throughput import ThroughputPlan, choose_fastest, selection_steps
+from retune.search.throughput import ThroughputPlan, choose_fastest, selection_budget, selection_steps
 
 
 @dataclass
@@ -374,7 +374,14 @@ class TrainBuckets:
 
         with self.hook.paused():
             choice = choose_fastest(
-                ThroughputPlan(cap=fit[reference], tolerance=tolerance, start=start), known, time_trial
+                ThroughputPlan(
+                    cap=fit[reference],
+                    tolerance=tolerance,
+                    start=start,
+                    max_trials=selection_budget(len(trials), timed=bool(known)),
+                ),
+                known,
+                time_trial,
             )
         capped = cap_at_fastest(fit, buckets.largest, reference, choice)
         outcome.sizes = list(capped.sizes)
