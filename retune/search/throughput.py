@@ -24,9 +24,9 @@ Strategy, over sizes at most ``cap`` (what ``largest`` would apply, margin inclu
    of two on its way up, so a cold search usually needs no rung of its own).
 3. **Refine** between the fastest size and its measured neighbours at their geometric midpoints
    (the faster neighbour's side first), twice (the second round around the fastest size after the
-   first), so the size lands within about 10% of the best on the ladder between doublings. A re-tune whose start (the previous
-   choice) is still faster than both its rungs was refined there last time: its second round runs
-   only when the first found a faster midpoint.
+   first), so the size lands within about 10% of the best on the ladder between doublings. A re-tune
+   whose start (the previous choice) is still faster than both its rungs was refined there last time:
+   its second round runs only when the first found a faster midpoint.
 4. **Repeat a near tie**: when the chosen size and the runner-up are within twice the tolerance,
    both are timed once more and their steps pooled.
 5. **Choose** the smallest size whose rate is within ``tolerance`` of the fastest: ties go to the
@@ -34,9 +34,9 @@ Strategy, over sizes at most ``cap`` (what ``largest`` would apply, margin inclu
 
 The trials it may add are :func:`selection_budget` of the fit search's count: half of them (at least
 :data:`MIN_EXTRA_TRIALS`, at most :data:`EXTRA_TRIALS`; :data:`EXTRA_TRIALS` when the fit search timed
-nothing), so a cold ``throughput`` search costs at most 1.5x the trials of ``largest``; the steps above spend them in that order (a cold ``binsearch`` timed every
-doubling: the midpoints get them). A size that unexpectedly fails (memory that is not monotone in the
-batch size) caps the choice below it.
+nothing), so a cold ``throughput`` search costs at most 1.5x the trials of ``largest``; the steps above
+spend them in that order (a cold ``binsearch`` timed every doubling: the midpoints get them). A size
+that unexpectedly fails (memory that is not monotone in the batch size) caps the choice below it.
 
 Example:
     >>> step_seconds = lambda size: 0.004 + 0.0005 * size + 0.000004 * size**2  # fastest near 32
