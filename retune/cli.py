@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,7 +22,20 @@ from retune.schedule.loading import load_schedule
 from retune.schedule.models import RetuneSchedule
 
 
+def _import_from_cwd() -> None:
+    """Put the working directory on the import path, as ``python -m`` and ``python train.py`` run from it do.
+
+    Validation imports the schedule's dotted paths (``search.sample_size``, ``loss_items``); the ``retune``
+    console script's own path is its bin folder, so without this a module beside the schedule that the
+    training script imports fine would be reported as missing.
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def _validate(args: argparse.Namespace) -> int:
+    _import_from_cwd()
     status = 0
     for name in args.files:
         try:
@@ -41,6 +55,7 @@ def _schema(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    _import_from_cwd()
     try:
         schedule = load_schedule(args.file)
     except ScheduleError as exc:

@@ -106,6 +106,40 @@ CASES: list[Any] = [
         "memory.budget",
         "a number budget is a fraction of device memory in (0, 1], got 40",
     ),
+    (
+        "budget_quoted_above_one.yaml",
+        "memory.budget",
+        "a number budget is a fraction of device memory in (0, 1], got '40'; write absolute sizes with a unit",
+    ),
+    # -- dotted paths are resolved when the schedule is validated (issue 28) ------------------------
+    (
+        "sample_size_not_importable.yaml",
+        "search.sample_size",
+        "cannot import module 'mypkg_not_installed.sizes' of 'mypkg_not_installed.sizes.tokens': "
+        "No module named 'mypkg_not_installed'",
+    ),
+    (
+        "sample_size_not_a_function.yaml",
+        "search.sample_size",
+        "'tests.varlen.BUDGET' is a str, not a function fn(sample) -> int",
+    ),
+    (
+        "loss_items_not_importable.json",
+        "triggers[1].loss_items",
+        "cannot import module 'mypkg_not_installed.items' of 'mypkg_not_installed.items:count'",
+    ),
+    # -- fields that another field makes meaningless, and fractions written as percentages ----------
+    (
+        "loss_items_with_mean.yaml",
+        "triggers[1].loss_items",
+        "loss_items ('shifted_labels') counts what a token_mean loss averages over, but loss_reduction is 'mean' "
+        "(the default), which does not use it; set `loss_reduction: token_mean` or remove loss_items",
+    ),
+    (
+        "min_fraction_percent.yaml",
+        "triggers[1].min_fraction",
+        "min_fraction is a fraction of the trainable-parameter count, 0 <= x < 1 (0.05 for 5%), got 5",
+    ),
     ("stage_typo.yaml", "stages[1]", "Input should be 'train', 'val', 'test' or 'predict' (got 'valid')"),
     # -- lr_find: cross-field rules checked on the final values, defaults included ---------------
     (
@@ -208,3 +242,46 @@ def test_several_problems_one_per_line() -> None:
         f"  triggers: list at least one trigger; kinds: {TRIGGER_KINDS_TEXT}",
     ]
     assert [p.path for p in info.value.problems] == ["search.init_val", "search.margin", "triggers"]
+
+
+def test_a_quoted_fraction_budget_is_the_fraction() -> None:
+    """``budget: "0.8"`` (quoted in YAML, or a string from an environment variable) means what ``0.8`` means,
+    not 0.8 bytes; a quoted number above one is refused like the bare number (see the table)."""
+    quoted = load_schedule({"memory": {"budget": "0.8"}, "triggers": [{"kind": "fit_start"}]})
+    bare = load_schedule({"memory": {"budget": 0.8}, "triggers": [{"kind": "fit_start"}]})
+    assert quoted == bare and quoted.memory.budget == 0.8
+    assert quoted.memory.budget_bytes(1000) == 800
+    assert load_schedule({"memory": {"budget": " 1 "}, "triggers": [{"kind": "fit_start"}]}).memory.budget == 1.0
+    sized = load_schedule({"memory": {"budget": "512MiB"}, "triggers": [{"kind": "fit_start"}]})
+    assert sized.memory.budget_bytes(None) == 512 * 2**20
+
+
+def test_loss_items_with_sum_is_refused_and_with_token_mean_accepted() -> None:
+    oom = {"kind": "oom", "loss_reduction": "sum", "loss_items": "labels"}
+    with pytest.raises(ScheduleError, match=r"triggers\[0\]\.loss_items: .*loss_reduction is 'sum', which"):
+        load_schedule({"triggers": [oom]})
+    accepted = load_schedule({"triggers": [{**oom, "loss_reduction": "token_mean"}]})
+    assert accepted.triggers[0].kind == "oom"
+
+
+def test_dotted_paths_that_resolve_are_accepted() -> None:
+    schedule = load_schedule(
+        {
+            "search": {"sample_size": "tests.varlen:token_count"},
+            "triggers": [
+                {"kind": "oom", "loss_reduction": "token_mean", "loss_items": "tests.token_tasks.labelled_tokens"}
+            ],
+        }
+    )
+    assert schedule.search.sample_size == "tests.varlen:token_count"
+
+
+def test_a_module_that_raises_on_import_is_reported_not_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "broken_sizes_28.py").write_text("raise RuntimeError('needs a GPU')\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ScheduleError) as info:
+        load_schedule({"search": {"sample_size": "broken_sizes_28.tokens"}, "triggers": [{"kind": "fit_start"}]})
+    assert str(info.value) == (
+        "<dict>: search.sample_size: importing module 'broken_sizes_28' of 'broken_sizes_28.tokens' raised "
+        "RuntimeError: needs a GPU"
+    )

@@ -21,6 +21,7 @@ from retune.search.throughput import (
     ThroughputPlan,
     choose,
     choose_fastest,
+    selection_budget,
     timed_sizes,
     trial_rates,
     with_choice,
@@ -298,3 +299,22 @@ def test_a_step_that_raises_records_no_time() -> None:
     with pytest.raises(torch.OutOfMemoryError), timed(torch.device("cpu"), lambda: next(ticks), seconds):
         raise torch.OutOfMemoryError("CUDA out of memory")
     assert seconds == [2.5]  # the out-of-memory step is a failed trial, not a slow one
+
+
+def test_the_selection_budget_is_half_the_fit_search_within_bounds() -> None:
+    """Half the search for what fits keeps throughput within 1.5x the trials of largest (issue 28); a search
+    that timed nothing (a CPU budget's tracked probes) leaves the selection a curve to find: the full 10."""
+    assert [selection_budget(n) for n in (1, 2, 6, 7, 8, 13, 17, 25, 40)] == [3, 3, 3, 3, 4, 6, 8, 10, 10]
+    assert selection_budget(8, timed=False) == EXTRA_TRIALS
+
+
+def test_a_short_budget_refines_toward_the_faster_neighbour_first() -> None:
+    """A cold binsearch timed 8..512, and the peak is at 100. Round one: the fastest timed size is 128, whose
+    faster neighbour is 64, so 91 first (then 181). Round two: 91 is fastest now and of its neighbours 128 is
+    faster than 64, so the one trial left goes to 108, between 91 and 128, not to 76 below."""
+    step = quadratic(100)
+    known = powers(step, 8, 512)
+    calls: list[int] = []
+    choice = choose_fastest(ThroughputPlan(cap=512, tolerance=TOL, max_trials=3), known, oracle(step, calls=calls))
+    assert calls == [91, 181, 108]
+    assert choice.size / step(choice.size) >= 0.98 * best_rate(step, 512)

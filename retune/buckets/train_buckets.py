@@ -28,7 +28,7 @@ from retune.buckets.throughput import bucket_timings, cap_at_fastest, capped_siz
 from retune.events import Direction
 from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
 from retune.probing.prober import Prober
-from retune.search.throughput import ThroughputPlan, choose_fastest, selection_steps
+from retune.search.throughput import ThroughputPlan, choose_fastest, selection_budget, selection_steps
 
 
 @dataclass
@@ -375,7 +375,14 @@ class TrainBuckets:
 
         with self.hook.paused():
             choice = choose_fastest(
-                ThroughputPlan(cap=fit[reference], tolerance=tolerance, start=start), known, time_trial
+                ThroughputPlan(
+                    cap=fit[reference],
+                    tolerance=tolerance,
+                    start=start,
+                    max_trials=selection_budget(len(trials), timed=bool(known)),
+                ),
+                known,
+                time_trial,
             )
         capped = cap_at_fastest(fit, buckets.largest, reference, choice)
         outcome.sizes = list(capped.sizes)

@@ -330,6 +330,17 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             )
         if loss_items is not None and not callable(loss_items) and not isinstance(loss_items, str):
             raise RetuneError(f"loss_items must be a function fn(batch) -> int or a name, got {loss_items!r}")
+        if loss_items is not None and (self._oom is None or self._oom.loss_reduction != "token_mean"):
+            # as the schedule refuses it on the trigger: a count nothing would use is a mistake, not a no-op
+            why = (
+                "the schedule has no oom trigger"
+                if self._oom is None
+                else (f"the oom trigger's loss_reduction is {self._oom.loss_reduction!r}")
+            )
+            raise RetuneError(
+                f"loss_items counts what a token_mean loss averages over, but {why}; set `loss_reduction: "
+                "token_mean` on the oom trigger, or drop the loss_items argument"
+            )
         try:
             return resolve_items_fn(loss_items if loss_items is not None else configured)
         except ValueError as exc:

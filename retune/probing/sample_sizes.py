@@ -19,7 +19,6 @@ module holds the pure part of that:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import operator
 import random
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 
 from retune.errors import RetuneError
+from retune.schedule.dotted import resolve_dotted
 
 SizeFn = Callable[[Any], int]
 """``fn(sample) -> int``: a sample's size (``dataset[i]`` as the dataset returns it, before collate)."""
@@ -118,23 +118,7 @@ def resolve_size_fn(path: str) -> SizeFn:
     Raises ValueError with a message that says what failed: the module, the attribute, or the value
     that is not callable. The caller adds the field and the schedule's source.
     """
-    module_name, sep, attr_path = path.partition(":")
-    if not sep:
-        module_name, _, attr_path = path.rpartition(".")
-    if not module_name or not attr_path:
-        raise ValueError(f"{path!r} is not a dotted path to a function, e.g. 'mypkg.sizes.tokens'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} of {path!r}: {exc}") from None
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(f"module {module_name!r} has no attribute {attr_path!r} (from {path!r})") from None
-    if not callable(obj):
-        raise ValueError(f"{path!r} is a {type(obj).__name__}, not a function fn(sample) -> int")
-    fn: SizeFn = obj
+    fn: SizeFn = resolve_dotted(path, "fn(sample) -> int")
     return fn
 
 

@@ -31,6 +31,8 @@ from pydantic import (
     model_validator,
 )
 
+from retune.schedule.dotted import DOTTED_RE, resolve_dotted
+
 DEFAULT_BUCKETS = 6
 """Buckets when the schedule does not say: enough to take most of the padding and memory waste out of
 long-tailed text and speech data, few enough that re-tuning every bucket stays cheap (a re-tune costs
@@ -54,7 +56,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_DOTTED_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*[.:][A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_NUMBER_RE = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -159,11 +161,13 @@ class SearchConfig(_Config):
     @field_validator("sample_size")
     @classmethod
     def _dotted_path(cls, value: str | None) -> str | None:
-        if value is not None and not _DOTTED_RE.match(value):
+        if value is not None and not DOTTED_RE.match(value):
             raise ValueError(
                 f"{value!r} is not a dotted path to a function; write 'package.module.function' "
                 "or 'package.module:function'"
             )
+        if value is not None:
+            resolve_dotted(value, "fn(sample) -> int")  # `retune validate` refuses what the callback would
         return value
 
     @field_validator("batching")
@@ -201,8 +205,8 @@ class MemoryConfig(_Config):
 
     budget: Union[float, str, None] = Field(
         None,
-        description="null: only a real out-of-memory error counts; a number in (0, 1]: that fraction of "
-        "the device's total memory; a string such as '512MiB' or '2GB': an absolute size.",
+        description="null: only a real out-of-memory error counts; a number in (0, 1] (quoted or not): that "
+        "fraction of the device's total memory; a size with a unit such as '512MiB' or '2GB': an absolute size.",
     )
 
     @field_validator("budget", mode="before")
@@ -210,14 +214,19 @@ class MemoryConfig(_Config):
     def _check_budget(cls, value: object) -> float | str | None:
         if value is None:
             return None
+        shown = f"{value}"
         if isinstance(value, str):
-            parse_byte_size(value)
-            return value
+            if not _NUMBER_RE.match(value):
+                parse_byte_size(value)
+                return value
+            # a quoted number means the number (`budget: "0.8"` is the fraction 0.8, as `budget: 0.8` is), not
+            # a count of bytes: a unit is what makes a size absolute
+            shown, value = repr(value), float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError("expected null, a fraction of device memory in (0, 1], or a size such as '512MiB'")
         if not 0.0 < value <= 1.0:
             raise ValueError(
-                f"a number budget is a fraction of device memory in (0, 1], got {value}; "
+                f"a number budget is a fraction of device memory in (0, 1], got {shown}; "
                 "write absolute sizes with a unit, e.g. '512MiB'"
             )
         return value
@@ -277,10 +286,21 @@ class TrainableParamsChangedTrigger(_Config):
     kind: Literal["trainable_params_changed"] = "trainable_params_changed"
     min_fraction: StrictFloat = Field(
         0.0,
-        ge=0.0,
         allow_inf_nan=False,
-        description="Fire only when the trainable-parameter count changes by more than this fraction.",
+        description="Fire only when the trainable-parameter count changes by more than this fraction of the "
+        "last count, 0 <= x < 1 (0.05: 5%).",
     )
+
+    @field_validator("min_fraction")
+    @classmethod
+    def _a_fraction(cls, value: float) -> float:
+        # a freeze can change the count by at most all of it (1.0), so 1 or more would never fire on one;
+        # `5` is almost always 5% written as a percentage
+        if not 0.0 <= value < 1.0:
+            raise ValueError(
+                f"min_fraction is a fraction of the trainable-parameter count, 0 <= x < 1 (0.05 for 5%), got {value}"
+            )
+        return value
 
 
 class FtsPhaseTrigger(_Config):
@@ -311,12 +331,28 @@ class OomTrigger(_Config):
     @field_validator("loss_items")
     @classmethod
     def _items(cls, value: str | None) -> str | None:
-        if value is not None and value not in ("labels", "shifted_labels") and not _DOTTED_RE.match(value):
+        if value is None or value in ("labels", "shifted_labels"):
+            return value
+        if not DOTTED_RE.match(value):
             raise ValueError(
                 f"{value!r} is neither labels, shifted_labels nor a dotted path to a function; write "
                 "'package.module.function' or 'package.module:function'"
             )
+        resolve_dotted(value, "fn(batch) -> int")
         return value
+
+    @model_validator(mode="after")
+    def _items_need_token_mean(self) -> OomTrigger:
+        # only a token-mean loss counts items: anything else would drop the field without a word
+        if self.loss_items is not None and self.loss_reduction != "token_mean":
+            written = "" if "loss_reduction" in self.model_fields_set else " (the default)"
+            raise FieldConflict(
+                "loss_items",
+                f"loss_items ({self.loss_items!r}) counts what a token_mean loss averages over, but loss_reduction "
+                f"is {self.loss_reduction!r}{written}, which does not use it; set `loss_reduction: token_mean` "
+                "or remove loss_items",
+            )
+        return self
 
 
 TriggerConfig = Annotated[

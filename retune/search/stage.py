@@ -41,6 +41,7 @@ from retune.search.policies import accumulation_for, lr_factor, scale_learning_r
 from retune.search.throughput import (
     ThroughputPlan,
     choose_fastest,
+    selection_budget,
     selection_steps,
     timed_sizes,
     trial_rates,
@@ -362,9 +363,15 @@ def fastest_that_fits(prober: Prober, result: SearchResult, schedule: RetuneSche
     assert result.size is not None
     start = last if config.warm_start else None
     steps = selection_steps(config.steps_per_trial)
+    known = timed_sizes(result.trials, prober.step_times)
     choice = choose_fastest(
-        ThroughputPlan(cap=result.size, tolerance=config.throughput_tolerance, start=start),
-        timed_sizes(result.trials, prober.step_times),
+        ThroughputPlan(
+            cap=result.size,
+            tolerance=config.throughput_tolerance,
+            start=start,
+            max_trials=selection_budget(len(result.trials), timed=bool(known)),
+        ),
+        known,
         lambda size: prober.time(size, steps),
     )
     return with_choice(result, choice)

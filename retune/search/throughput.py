@@ -22,18 +22,21 @@ Strategy, over sizes at most ``cap`` (what ``largest`` would apply, margin inclu
    stop at the first size clearly slower. Sizes the fit search already timed are reused as ladder
    rungs when they lie within 1.5x of the doubling or halving (a cold ``binsearch`` times every power
    of two on its way up, so a cold search usually needs no rung of its own).
-3. **Refine** between the fastest size and its measured neighbours at their geometric midpoints,
-   twice (the second round around the fastest size after the first), so the size lands within
-   about 10% of the best on the ladder between doublings. A re-tune whose start (the previous
-   choice) is still faster than both its rungs was refined there last time: its second round runs
-   only when the first found a faster midpoint.
+3. **Refine** between the fastest size and its measured neighbours at their geometric midpoints
+   (the faster neighbour's side first), twice (the second round around the fastest size after the
+   first), so the size lands within about 10% of the best on the ladder between doublings. A re-tune
+   whose start (the previous choice) is still faster than both its rungs was refined there last time:
+   its second round runs only when the first found a faster midpoint.
 4. **Repeat a near tie**: when the chosen size and the runner-up are within twice the tolerance,
    both are timed once more and their steps pooled.
 5. **Choose** the smallest size whose rate is within ``tolerance`` of the fastest: ties go to the
    smaller size (less memory, more optimizer steps per epoch).
 
-At most :data:`EXTRA_TRIALS` trials are added to the fit search's. A size that unexpectedly fails
-(memory that is not monotone in the batch size) caps the choice below it.
+The trials it may add are :func:`selection_budget` of the fit search's count: half of them (at least
+:data:`MIN_EXTRA_TRIALS`, at most :data:`EXTRA_TRIALS`; :data:`EXTRA_TRIALS` when the fit search timed
+nothing), so a cold ``throughput`` search costs at most 1.5x the trials of ``largest``; the steps above
+spend them in that order (a cold ``binsearch`` timed every doubling: the midpoints get them). A size
+that unexpectedly fails (memory that is not monotone in the batch size) caps the choice below it.
 
 Example:
     >>> step_seconds = lambda size: 0.004 + 0.0005 * size + 0.000004 * size**2  # fastest near 32
@@ -58,6 +61,8 @@ from retune.search.largest import SearchResult
 
 EXTRA_TRIALS = 10
 """Most trials the throughput selection adds to a search (the search for what fits has ``max_trials``)."""
+MIN_EXTRA_TRIALS = 3
+"""Fewest trials a selection may add, however short the search for what fits was (a warm re-tune's two)."""
 SELECTION_STEPS = 5
 """Steps each selection trial runs at least (1 warm-up + 4 timed). The search for what fits times
 ``steps_per_trial - 1`` steps per trial (2 by default), enough to tell a doubling apart; telling
@@ -68,6 +73,22 @@ REUSE_FACTOR = 1.5
 
 TimeTrial = Callable[[int], tuple[bool, Sequence[float]]]
 """``time_trial(size) -> (fits, steady step seconds)``: one more trial at ``size``."""
+
+
+def selection_budget(fit_trials: int, timed: bool = True) -> int:
+    """Trials a selection may add after a search for what fits of ``fit_trials``.
+
+    When that search timed its trials (``timed``): half as many, so that ``throughput`` costs at most 1.5x
+    the trials of ``largest`` (a cold search of 6 trials or more), within [:data:`MIN_EXTRA_TRIALS`,
+    :data:`EXTRA_TRIALS`]. The steps spend it in order of what they are worth: reaching the fastest region
+    (climb or descend), midpoints beside the fastest size (its faster neighbour's side first), then timing
+    a near tie again. When it timed nothing (a CPU memory budget: the tracker slows the steps it measures,
+    so they are not timed) the selection has no curve to start from and must descend from the cap by
+    halves first: it gets :data:`EXTRA_TRIALS`.
+    """
+    if not timed:
+        return EXTRA_TRIALS
+    return min(EXTRA_TRIALS, max(MIN_EXTRA_TRIALS, fit_trials // 2))
 
 
 def selection_steps(steps_per_trial: int) -> int:
@@ -186,11 +207,14 @@ class _Selection:
             timed = sorted(self.seconds)
             below = [s for s in timed if s < best]
             above = [s for s in timed if s > best]
-            midpoints = []
+            sides = []  # (the neighbour's rate, the midpoint toward it)
             if below:
-                midpoints.append(_geometric_mid(below[-1], best))
+                sides.append((self._rate(below[-1]), _geometric_mid(below[-1], best)))
             if above:
-                midpoints.append(_geometric_mid(best, above[0]))
+                sides.append((self._rate(above[0]), _geometric_mid(best, above[0])))
+            # on a curve with one peak, the peak lies between the fastest size and its faster neighbour:
+            # that side first, so a selection short of trials spends its last one where it counts
+            midpoints = [mid for _, mid in sorted(sides, key=lambda side: -side[0])]
             new = [m for m in midpoints if m is not None and m not in self.seconds and m <= self.ceiling]
             for size in new:
                 self._have(size)
@@ -320,8 +344,10 @@ __all__ = [
     "ThroughputPlan",
     "ThroughputResult",
     "choose",
+    "MIN_EXTRA_TRIALS",
     "SELECTION_STEPS",
     "choose_fastest",
+    "selection_budget",
     "selection_steps",
     "timed_sizes",
     "trial_rates",
