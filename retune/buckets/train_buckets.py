@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from retune import compat
 from retune.buckets.loader import BucketBatchSampler, TrainLoaderHook, is_shuffled, loader_seed
@@ -25,7 +25,11 @@ from retune.buckets.loader import with_batch_sampler as _with_batch_sampler
 from retune.buckets.plan import Buckets, assign, mean_batch, plan_buckets
 from retune.buckets.sizes import BucketMemory, BucketSearchResult, BucketTrial, Direction, search_buckets
 from retune.buckets.throughput import bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
-from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
+from retune.probing.probe_batches import (
+    ProbeBatches,
+    candidate_indices,     why_not_reorderable,
+    with_index_order,
+)
 from retune.probing.prober import Prober
 from retune.search.throughput import ThroughputPlan, choose_fastest, selection_steps
 
@@ -187,6 +191,14 @@ class TrainBuckets:
     def prepare(self, loader: Any, say: Any, bounds: Sequence[int] | None = None) -> Buckets | None:
         """Group the loader's samples by size (scanned once per dataset); None, with one warning, when not possible."""
         reason = self.why_not(loader)
+        if isinstance(getattr(loader, "dataset", None), IterableDataset):
+            self.probe_batches.warn_stream(
+                "train",
+                loader.dataset,
+                "search.batching: buckets cannot group the train dataloader's samples, training with one batch size "
+                "for every batch (batching: fixed)",
+            )
+            return None
         if reason is None:
             dataset = loader.dataset
             candidates = candidate_indices(loader.batch_sampler.sampler, len(dataset))
