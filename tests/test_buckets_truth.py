@@ -40,12 +40,21 @@ class _CostOracle(BucketModel):
     sample's cost is its tokens, except for the ``heavy`` samples, whose memory does not follow their length.
     Counts ``training_step`` calls per epoch, and those of real steps (between the batch hooks) apart."""
 
-    def __init__(self, data: Any, capacity: int, heavy: dict[int, int] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        data: Any,
+        capacity: int,
+        heavy: dict[int, int] | None = None,
+        long_halved_from: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(data, **kwargs)
-        self.capacity, self.heavy = capacity, heavy or {}
+        self.capacity, self.heavy, self.long_halved_from = capacity, heavy or {}, long_halved_from
         self.real = False
         self.real_calls: Counter[int] = Counter()
         self.real_ooms = 0
+        self.calls_per_batch: list[tuple[list[int], int]] = []
+        """Each real batch's dataset indices and how many ``training_step`` calls it took."""
 
     def cost(self, ids: torch.Tensor, index: torch.Tensor) -> int:
         lengths = (ids > 0).sum(1).tolist()
@@ -55,7 +64,12 @@ class _CostOracle(BucketModel):
         ids, _, index = batch
         if self.real:
             self.real_calls[self.trainer.current_epoch] += 1
-        if ids.shape[0] * self.cost(ids, index) > self.capacity:
+            self.calls_per_batch[-1] = (self.calls_per_batch[-1][0], self.calls_per_batch[-1][1] + 1)
+        capacity = self.capacity
+        halved = self.long_halved_from is not None and self.trainer.global_step >= self.long_halved_from
+        if halved and int((ids > 0).sum(1).max()) > 100:
+            capacity //= 2  # memory that long sequences need grew: only the long samples' bucket fails
+        if ids.shape[0] * self.cost(ids, index) > capacity:
             self.real_ooms += int(self.real)
             raise torch.OutOfMemoryError(f"CUDA out of memory (oracle: {ids.shape[0]} x cost > {self.capacity})")
         return super().training_step(batch, batch_idx)
@@ -63,6 +77,7 @@ class _CostOracle(BucketModel):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self.real = True
+        self.calls_per_batch.append((batch[2].tolist(), 0))
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.real = False
@@ -108,3 +123,22 @@ def test_a_bucket_never_trains_at_a_size_its_probes_measured_to_fail(oom: bool) 
     batches_per_epoch = len(model.batches) // 3
     assert dict(model.real_calls) == {0: batches_per_epoch, 1: batches_per_epoch, 2: batches_per_epoch}
     assert finder.bucket_sizes[0] * cost <= 2048
+
+
+# -- the split kept after an OOM applies to the bucket that failed ---------------------------------------------
+
+
+def test_the_split_kept_after_an_oom_cuts_only_the_failing_buckets_batches() -> None:
+    seed(0)
+    data = _data()
+    model = _CostOracle(data, capacity=2048, long_halved_from=1)
+    finder = ScheduledBatchSizeFinder(_oracle_schedule(True), sample_size=tokens, verbose=False, write_report=False)
+    bucket_data.trainer([finder], epochs=1).fit(model)
+    recoveries = [e for e in finder.history if e.is_recovery]
+    assert recoveries and all("bucket 3" in e.note for e in recoveries), [e.note for e in recoveries]
+    split = [(indices, calls) for indices, calls in model.calls_per_batch if calls > 1]
+    assert split, "the long samples' batches were recovered in micro-batches"
+    lengths = [len(data[i]["input_ids"]) for indices, _ in split for i in indices]
+    assert min(lengths) > 100, "only batches of the failing (long) bucket are split"
+    assert model.real_calls[0] == len(model.calls_per_batch) + sum(calls - 1 for _, calls in split)
+    assert sorted(i for indices, _ in model.calls_per_batch for i in indices) == list(range(N))

@@ -181,11 +181,15 @@ class TrainBuckets:
         self.buckets = buckets
         return True
 
-    def record_failure(self, trainer: Any, failed: int, fitting: int) -> int | None:
-        """A real step of the bucket being trained ran out of memory: remember it for that bucket's search."""
+    def bucket_now(self, trainer: Any) -> int | None:
+        """The bucket of the batch being trained (None: the loader is not bucketed)."""
         if self.sampler is None:
             return None
-        bucket = self.sampler.bucket_at(compat.batch_index(trainer))
+        return self.sampler.bucket_at(compat.batch_index(trainer))
+
+    def record_failure(self, trainer: Any, failed: int, fitting: int) -> int | None:
+        """A real step of the bucket being trained ran out of memory: remember it for that bucket's search."""
+        bucket = self.bucket_now(trainer)
         if bucket is None:
             return None
         known = self.failures.get(bucket)
