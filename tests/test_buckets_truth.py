@@ -18,7 +18,7 @@ from retune.buckets.plan import plan_buckets
 from retune.probing.sample_sizes import scan_sizes
 from tests import bucket_data
 from tests.bucket_data import BucketModel, IndexedTokens, long_tail_lengths, tokens
-from tests.lightning_ns import pl, seed
+from tests.lightning_ns import seed
 
 N = 400
 

@@ -34,7 +34,8 @@ from retune.buckets.sizes import (
 from retune.buckets.throughput import bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
 from retune.probing.probe_batches import (
     ProbeBatches,
-    candidate_indices,     why_not_reorderable,
+    candidate_indices,
+    why_not_reorderable,
     with_index_order,
 )
 from retune.probing.prober import Prober

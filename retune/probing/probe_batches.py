@@ -220,7 +220,8 @@ class ProbeBatches:
     def _one(self, loader: Any, where: str, steps: int) -> Any:
         reason = why_not_reorderable(loader)
         if self.budgeted and isinstance(getattr(loader, "dataset", None), IterableDataset):
-            lead = f"probe_samples: largest cannot pick the {where} dataloader's samples" if self.mode != "first" else where
+            lead = where if self.mode == "first" else f"probe_samples: largest cannot pick the {where} dataloader's"
+            lead += "" if self.mode == "first" else " samples"
             self.warn_stream(where, loader.dataset, lead)
             return loader
         if self.mode == "first":
