@@ -266,6 +266,17 @@ def test_loaders_that_cannot_be_bucketed_fall_back_to_fixed_with_one_warning(
     assert finder.batch_size is not None
 
 
+def test_a_stream_with_buckets_warns_that_steps_may_exceed_the_budget_and_what_to_do() -> None:
+    seed(0)
+    finder = _finder()
+    with retune_warnings() as said:
+        bucket_data.trainer([finder], epochs=1, limit_train_batches=2).fit(_StreamModel(_data(), batch_size=4))
+    warnings = [message for message in said if "IterableDataset" in message]
+    assert len(warnings) == 1, said
+    for part in ("batching: fixed", "steps may exceed the memory budget", "map-style", "probe_samples: largest", "oom"):
+        assert part in warnings[0], (part, warnings[0])
+
+
 # -- the oom trigger ---------------------------------------------------------------------------------
 
 

@@ -160,7 +160,7 @@ class _KeyedModel(TokenClassifier):
 @pytest.mark.parametrize(
     ("model_cls", "reason"),
     [
-        (_StreamModel, "its dataset (_Stream) is an IterableDataset, which has no random access"),
+        (_StreamModel, "(_Stream) is an IterableDataset, so probes run on its first batches only and steps may exceed"),
         (_BucketModel, "its batch_sampler (_BucketSampler) decides which samples go together"),
         (_KeyedModel, "dataset[0] raised KeyError: 0; its sampler does not draw positions"),
     ],
@@ -178,6 +178,20 @@ def test_loaders_it_cannot_reorder_warn_once_and_probe_the_first_batches(
     warnings = [message for message in said if "probe_samples: largest cannot" in message]
     assert len(warnings) == 1 and reason in warnings[0], warnings
     assert len(finder.history) == 2 and finder.batch_size is not None  # searched on the first batches
+
+
+@pytest.mark.parametrize("probe_samples", ["first", "largest"])
+def test_a_stream_with_a_budget_warns_that_steps_may_exceed_it_and_what_to_do(probe_samples: str) -> None:
+    """An IterableDataset under a memory.budget: the budget cannot be ensured, and the warning says so plainly."""
+    seed(0)
+    data = TokenDataset(lengths(240, long_at=()))
+    finder = ScheduledBatchSizeFinder(schedule(probe_samples), verbose=False, write_report=False)
+    with retune_warnings() as said:
+        varlen.trainer([finder], epochs=1, limit_train_batches=2).fit(_StreamModel(data, batch_size=4))
+    warnings = [message for message in said if "IterableDataset" in message]
+    assert len(warnings) == 1, said
+    for part in ("steps may exceed the memory budget", "map-style dataset", "probe_samples: largest", "`oom` trigger"):
+        assert part in warnings[0], (part, warnings[0])
 
 
 def test_first_warns_once_when_sizes_vary_widely() -> None:

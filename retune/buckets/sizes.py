@@ -11,9 +11,11 @@ squares over all points), and a bucket whose verification disagrees is corrected
 measured point, so memory that is not linear in the length (attention) costs a probe or two more,
 never a wrong size: a size is only accepted after it was probed and fit.
 
-Shorter samples never need more memory at the same batch size, so a size that fits a bucket of
-longer samples is a known fit for every shorter bucket (no probe), and the result never gives a
-bucket of shorter samples a smaller size than a longer one.
+Shorter samples usually need no more memory at the same batch size, so a size that fits a bucket of
+longer samples is a known fit for every shorter bucket (no probe), and the result does not give a
+bucket of shorter samples a smaller size than a longer one, with one exception: a size measured to
+fail for a bucket is evidence, whatever the lengths predict (a sample whose memory does not follow
+its length), so a bucket is never raised to or above a size that failed for it.
 
 Without measured peaks (no budget and no device statistics) there is no model to fit; each bucket is
 then searched by ``run_search`` from the known fit of the next longer bucket.
@@ -199,12 +201,22 @@ def search_buckets(
             continue
         own = lo[bucket]
         if best is not None and (own is None or own < best):
-            own = min(best, uppers[bucket])
+            raised = below_failure(min(best, uppers[bucket]), hi[bucket])
+            own = raised if own is None or (raised is not None and raised > own) else own
         result.found[bucket] = own
         result.min_failing[bucket] = hi[bucket]
         if own is not None:
             best = own if best is None else max(best, own)
     return result
+
+
+def below_failure(size: int, failed: int | None) -> int | None:
+    """``size`` when it is below ``failed`` (a size measured to fail for the bucket), else None.
+
+    A longer bucket's fit raises a shorter one only while no failure contradicts it: once a size at or
+    below that fit failed for the bucket, its samples do not follow their length, and only its own
+    measured fit is known to hold (``failed - 1`` was never measured)."""
+    return size if failed is None or size < failed else None
 
 
 def _record(
@@ -317,12 +329,15 @@ class _ModelSearch:
         s, upper = self.largest[bucket], self.uppers[bucket]
         fits = [f for b in done if self.largest[b] >= s and (f := self.lo[b]) is not None]
         fails = [f for b in done if self.largest[b] <= s and (f := self.hi[b]) is not None]
-        current = self.lo[bucket]
-        if fits and (current is None or current < max(fits)):
-            self.lo[bucket] = min(max(fits), upper)
         current = self.hi[bucket]
         if fails and (current is None or current > min(fails)):
             self.hi[bucket] = min(fails)
+        current = self.lo[bucket]
+        if fits and (current is None or current < max(fits)):
+            fit = min(max(fits), upper)
+            failed = self.hi[bucket]
+            if failed is None or fit < failed:  # a size measured to fail here outweighs the longer buckets' fit
+                self.lo[bucket] = fit
 
     def _own_line(self, bucket: int) -> tuple[float, float] | None:
         """``(intercept, slope)`` of this bucket's memory in the batch size, from what is known now."""
@@ -507,10 +522,19 @@ def _search_without_peaks(
         run_search(plan, fits)
         found = lo[bucket]
         if carried is not None and (found is None or found < carried):
-            lo[bucket] = min(carried, upper)
+            raised = below_failure(min(carried, upper), hi[bucket])
+            lo[bucket] = raised if found is None or (raised is not None and raised > found) else found
         found = lo[bucket]
         if found is not None:
             carried = found if carried is None else max(carried, found)
 
 
-__all__ = ["BucketMemory", "BucketSearchResult", "BucketTrial", "SizeModel", "fit_model", "search_buckets"]
+__all__ = [
+    "BucketMemory",
+    "BucketSearchResult",
+    "BucketTrial",
+    "SizeModel",
+    "below_failure",
+    "fit_model",
+    "search_buckets",
+]

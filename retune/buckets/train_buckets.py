@@ -17,13 +17,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from retune import compat
 from retune.buckets.loader import BucketBatchSampler, TrainLoaderHook, is_shuffled, loader_seed
 from retune.buckets.loader import with_batch_sampler as _with_batch_sampler
 from retune.buckets.plan import Buckets, assign, mean_batch, plan_buckets
-from retune.buckets.sizes import BucketMemory, BucketSearchResult, BucketTrial, search_buckets
+from retune.buckets.sizes import BucketMemory, BucketSearchResult, BucketTrial, below_failure, search_buckets
 from retune.buckets.throughput import bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
 from retune.events import Direction
 from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
@@ -46,6 +46,11 @@ class BucketState:
     chosen: int | None = None
     padded: int | None = None
     """``objective: throughput``: the padded work per step every bucket is capped at (None: no cap)."""
+    failed: dict[int, int] = field(default_factory=dict)
+    """Bucket -> the smallest size measured to fail since the memory last changed: never applied again."""
+    pending: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Bucket -> ``(fitting, failed)`` of real steps that ran out of memory since the last search (the next
+    search lowers those buckets): kept here so a checkpoint taken mid-epoch carries them."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -57,6 +62,8 @@ class BucketState:
             "reference": self.reference,
             "chosen": self.chosen,
             "padded": self.padded,
+            "failed": {str(b): int(size) for b, size in self.failed.items()},
+            "pending": {str(b): [int(fit), int(fail)] for b, (fit, fail) in self.pending.items()},
         }
 
     @property
@@ -76,6 +83,9 @@ class BucketState:
             _int_or_none(data.get("reference")),
             _int_or_none(data.get("chosen")),
             _int_or_none(data.get("padded")),
+            # absent before issue 28: no failed sizes known, no failures pending
+            {int(b): int(size) for b, size in (data.get("failed") or {}).items()},
+            {int(b): (int(v[0]), int(v[1])) for b, v in (data.get("pending") or {}).items()},
         )
 
 
@@ -109,13 +119,20 @@ class TrainBuckets:
         self.hook = TrainLoaderHook(self._convert)
         self.sampler: BucketBatchSampler | None = None
         """The batch sampler of the loader Lightning trains on now (None: not bucketed)."""
-        self.failures: dict[int, tuple[int, int]] = {}
-        """Bucket -> ``(fitting, failed)`` sizes of real steps that ran out of memory since the last search."""
         self.current_bucket: int | None = None
         """The bucket being probed now (for the trial lines)."""
         self._trainer: Any = None
         self._world_size = 1
         self._rank = 0
+
+    @property
+    def failures(self) -> dict[int, tuple[int, int]]:
+        """Bucket -> ``(fitting, failed)`` sizes of real steps that ran out of memory since the last search."""
+        return self.state.pending
+
+    @failures.setter
+    def failures(self, value: dict[int, tuple[int, int]]) -> None:
+        self.state.pending = value
 
     # -- the fit ------------------------------------------------------------------------------
 
@@ -154,11 +171,15 @@ class TrainBuckets:
         self.buckets = buckets
         return True
 
-    def record_failure(self, trainer: Any, failed: int, fitting: int) -> int | None:
-        """A real step of the bucket being trained ran out of memory: remember it for that bucket's search."""
+    def bucket_now(self, trainer: Any) -> int | None:
+        """The bucket of the batch being trained (None: the loader is not bucketed)."""
         if self.sampler is None:
             return None
-        bucket = self.sampler.bucket_at(compat.batch_index(trainer))
+        return self.sampler.bucket_at(compat.batch_index(trainer))
+
+    def record_failure(self, trainer: Any, failed: int, fitting: int) -> int | None:
+        """A real step of the bucket being trained ran out of memory: remember it for that bucket's search."""
+        bucket = self.bucket_now(trainer)
         if bucket is None:
             return None
         known = self.failures.get(bucket)
@@ -188,6 +209,14 @@ class TrainBuckets:
     def prepare(self, loader: Any, say: Any, bounds: Sequence[int] | None = None) -> Buckets | None:
         """Group the loader's samples by size (scanned once per dataset); None, with one warning, when not possible."""
         reason = self.why_not(loader)
+        if isinstance(getattr(loader, "dataset", None), IterableDataset):
+            self.probe_batches.warn_stream(
+                "train",
+                loader.dataset,
+                "search.batching: buckets cannot group the train dataloader's samples, training with one batch size "
+                "for every batch (batching: fixed)",
+            )
+            return None
         if reason is None:
             dataset = loader.dataset
             candidates = candidate_indices(loader.batch_sampler.sampler, len(dataset))
@@ -300,7 +329,10 @@ class TrainBuckets:
                 previous=previous,
                 direction="down" if failures else direction,
                 prior=prior,
-                known_fail={b: failed for b, (_, failed) in failures.items()},
+                known_fail={
+                    b: min(failed, self.state.failed.get(b, failed)) if same_buckets else failed
+                    for b, (_, failed) in failures.items()
+                },
                 known_fit={
                     b: min(fitting, failed - 1) for b, (fitting, failed) in failures.items() if fitting < failed
                 },
@@ -310,19 +342,39 @@ class TrainBuckets:
         sizes: list[int | None] = [
             None if found is None else margin_of(found, found < uppers[b]) for b, found in enumerate(result.found)
         ]
-        # after the margin, too: a size that fits longer samples fits shorter ones (up to a bucket's own count)
+        # after the margin, too: a size that fits longer samples fits shorter ones (up to a bucket's own count),
+        # but never to or above a size measured to fail for that bucket (its probes, its real steps)
+        failed = self._failed_sizes(result.min_failing, failures, keep=only is not None and same_buckets)
         best: int | None = None
         for bucket in sorted(range(buckets.count), key=lambda b: -buckets.largest[b]):
             size = sizes[bucket]
             if size is not None and best is not None and size < best:
-                sizes[bucket] = size = max(size, min(best, uppers[bucket]))
+                raised = below_failure(min(best, uppers[bucket]), failed.get(bucket))
+                sizes[bucket] = size = size if raised is None else max(size, raised)
             if size is not None:
                 best = size if best is None else max(best, size)
         if only is not None and previous is not None:
             sizes = [sizes[b] if b in only else previous[b] for b in range(buckets.count)]
+        self.state.failed = failed
         return BucketOutcome(
             buckets, result, sizes, list(self.state.sizes) if same_buckets else [], limited=only is not None
         )
+
+    def _failed_sizes(
+        self,
+        measured: Sequence[int | None],
+        real: Mapping[int, tuple[int, int]],
+        *,
+        keep: bool,
+    ) -> dict[int, int]:
+        """Per bucket, the smallest size measured to fail: by this search's probes, by real steps that ran
+        out of memory and, in an ``oom`` re-tune (``keep``: the memory did not change), by earlier searches."""
+        failed: dict[int, int] = dict(self.state.failed) if keep else {}
+        found = {b: size for b, size in enumerate(measured) if size is not None}
+        found.update({b: min(size, found.get(b, size)) for b, (_, size) in real.items()})
+        for bucket, size in found.items():
+            failed[bucket] = min(size, failed.get(bucket, size))
+        return failed
 
     def cap_at_fastest(
         self,

@@ -101,6 +101,7 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         self._undo: list[Callable[[], None]] = []
         self._eval_undo: Callable[[], None] | None = None  # no lambda: ddp_spawn pickles the callback
         self._resumed_split: tuple[int | None, int] = (None, 1)
+        self._resumed_splits: dict[Any, tuple[int | None, int]] = {}
         self._split_resumed = False
         self.verbose = verbose
         self.out_dir = None if out_dir is None else Path(out_dir)
@@ -239,9 +240,11 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             items_fn=self._items_fn,
             module=pl_module,
             warn=lambda message: self._say(message, warn=True),
+            split_key=None if self._buckets is None else lambda: self._buckets_now(trainer),
         )
         (recovery.max_size, recovery.pieces), self._resumed_split = self._resumed_split, (None, 1)
-        self._split_resumed = recovery.max_size is not None or recovery.pieces > 1
+        recovery.splits, self._resumed_splits = self._resumed_splits, {}
+        self._split_resumed = recovery.max_size is not None or recovery.pieces > 1 or bool(recovery.splits)
         self._train_recovery = recovery
         run: Callable[[Any], Any] = recovery.run
         if compat.is_distributed(trainer):
@@ -303,6 +306,10 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             # the split the epoch keeps after a recovered OOM: a run resumed mid-epoch need not fail again first
             "oom_max_size": None if self._train_recovery is None else self._train_recovery.max_size,
             "oom_pieces": 1 if self._train_recovery is None else self._train_recovery.pieces,
+            # with buckets, the split each bucket keeps ([bucket or None, max_size, pieces])
+            "oom_splits": []
+            if self._train_recovery is None
+            else [[key, size, pieces] for key, (size, pieces) in self._train_recovery.splits.items()],
             "buckets": None if self._buckets is None else self._buckets.state.to_dict(),
         }
 
@@ -314,6 +321,10 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         self._restored = True
         max_size = state_dict.get("oom_max_size")
         self._resumed_split = (None if max_size is None else int(max_size), int(state_dict.get("oom_pieces", 1)))
+        self._resumed_splits = {
+            None if key is None else int(key): (None if size is None else int(size), int(pieces))
+            for key, size, pieces in state_dict.get("oom_splits") or []  # absent before issue 28
+        }
         saved_buckets = state_dict.get("buckets")
         if self._buckets is not None and saved_buckets:
             self._buckets.state = BucketState.from_dict(saved_buckets)
@@ -380,6 +391,10 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         while self._undo:
             self._undo.pop()()
         self._train_recovery = None
+
+    def _buckets_now(self, trainer: Any) -> int | None:
+        """The bucket of the batch being trained (None: not bucketed): the key of the split it keeps."""
+        return None if self._buckets is None else self._buckets.bucket_now(trainer)
 
     def _recovered(self, trainer: Any, pl_module: Any, stage: str, done: Recovered) -> None:
         """Record a step that ran out of memory and was trained in micro-batches; the next search starts below it."""

@@ -90,6 +90,21 @@ def why_not_reorderable(loader: Any) -> str | None:
     return None
 
 
+def budget_not_ensured(dataset: Any) -> str:
+    """What a run with an ``IterableDataset`` loses, and the ways out (for the warnings that name it).
+
+    Probes can only read a stream's first batches, so a later batch of longer samples is never measured:
+    neither a ``memory.budget`` nor bucketed batch sizes can be ensured for the steps that follow.
+    """
+    return (
+        f"the dataset ({type(dataset).__name__}) is an IterableDataset, so probes run on its first batches only "
+        "and steps may exceed the memory budget (a later batch of longer samples is never measured). To keep every "
+        "step within the budget: use a map-style dataset (__getitem__ and __len__) with `search.probe_samples: "
+        "largest`; or probe with `probe_samples: largest` on a map-style sample of the stream that holds its "
+        "longest samples; or add the `oom` trigger so a step that runs out of memory is re-run in micro-batches"
+    )
+
+
 def candidate_indices(sampler: Any, dataset_len: int) -> Sequence[int]:
     """The dataset indices a sampler can draw: a ``SubsetRandomSampler``'s subset, a
     ``WeightedRandomSampler``'s nonzero weights, else every position (``DistributedSampler`` included:
@@ -138,8 +153,11 @@ class ProbeBatches:
         sample_size: SizeFn | None = None,
         scan_limit: int | None = None,
         say: Callable[..., None] | None = None,
+        budgeted: bool = False,
     ) -> None:
         self.mode = mode
+        self.budgeted = budgeted
+        """A ``memory.budget`` or ``batching: buckets`` is set: a stream's steps then deserve a plain warning."""
         self.size_fn: SizeFn = sample_size or default_sample_size
         self.scan_limit = scan_limit
         self.say = say or messages.say
@@ -150,6 +168,7 @@ class ProbeBatches:
         """Time spent scanning sample sizes, over the whole run."""
         self._warned: set[str] = set()
         self._looked: set[str] = set()
+        self._streams: set[str] = set()
 
     @classmethod
     def from_schedule(
@@ -181,6 +200,7 @@ class ProbeBatches:
             sample_size,
             search.scan_limit,
             say=say,
+            budgeted=schedule.memory.budget is not None or search.batching == "buckets",
         )
 
     def arrange(self, loader: Any, stage: str, steps: int) -> Any:
@@ -199,6 +219,11 @@ class ProbeBatches:
 
     def _one(self, loader: Any, where: str, steps: int) -> Any:
         reason = why_not_reorderable(loader)
+        if self.budgeted and isinstance(getattr(loader, "dataset", None), IterableDataset):
+            lead = where if self.mode == "first" else f"probe_samples: largest cannot pick the {where} dataloader's"
+            lead += "" if self.mode == "first" else " samples"
+            self.warn_stream(where, loader.dataset, lead)
+            return loader
         if self.mode == "first":
             if reason is None and where not in self._looked:
                 self._looked.add(where)
@@ -262,6 +287,12 @@ class ProbeBatches:
                 "of the largest ones. Set `search.probe_samples: largest` to probe on them",
             )
 
+    def warn_stream(self, where: str, dataset: Any, lead: str) -> None:
+        """Say once per fit for ``where`` that a stream's steps may exceed the budget (buckets and probes alike)."""
+        if where not in self._streams:
+            self._streams.add(where)
+            self.say(f"{lead}: {budget_not_ensured(dataset)}", warn=True)
+
     def warn_once(self, where: str, message: str) -> None:
         """Say ``message`` once per fit for ``where`` (a search runs at every trigger; the reason does not change)."""
         key = f"{where}: {message}"
@@ -270,4 +301,4 @@ class ProbeBatches:
             self.say(message, warn=True)
 
 
-__all__ = ["ProbeBatches", "candidate_indices", "why_not_reorderable", "with_index_order"]
+__all__ = ["ProbeBatches", "budget_not_ensured", "candidate_indices", "why_not_reorderable", "with_index_order"]

@@ -32,7 +32,7 @@ What a recovered step guarantees:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -247,8 +247,14 @@ class TrainStepRecovery(_KeptSplit):
         items_fn: ItemsFn | None = None,
         module: torch.nn.Module | None = None,
         warn: Callable[[str], None] | None = None,
+        split_key: Callable[[], Hashable] | None = None,
     ) -> None:
         self._params = params
+        self.split_key = split_key
+        """What a kept split belongs to (``batching: buckets``: the bucket of the batch now); None: every batch."""
+        self.splits: dict[Hashable, tuple[int | None, int]] = {}
+        """With ``split_key``: each key's kept split ``(max_size, pieces)``; ``max_size``/``pieces`` hold the
+        split of the batch being trained, so an OOM in one bucket does not cut every other bucket's batches."""
         self.split_fn = split_fn
         self.loss_reduction = loss_reduction
         self.items_fn = items_fn if items_fn is not None else resolve_items_fn(None)
@@ -270,11 +276,25 @@ class TrainStepRecovery(_KeptSplit):
         ``keep_split``: the epoch start of a run resumed mid-epoch from a checkpoint with a kept split."""
         if not keep_split:
             self.max_size, self.pieces = None, 1
+            self.splits = {}
         self.finished.rearm(self._params())
         self.stats = _running_stats(self.module)
 
     def run(self, step: StepParts) -> Any:
-        """The closure's body: forward, zero_grad, backward; on an OOM, the same batch in micro-batches."""
+        """The closure's body: forward, zero_grad, backward; on an OOM, the same batch in micro-batches.
+
+        With ``split_key``, the split kept for the batch's key (its bucket) is in force while it runs."""
+        if self.split_key is None:
+            return self._run_step(step)
+        key = self.split_key()
+        self.max_size, self.pieces = self.splits.get(key, (None, 1))
+        try:
+            return self._run_step(step)
+        finally:
+            if self.max_size is not None or self.pieces > 1:
+                self.splits[key] = (self.max_size, self.pieces)
+
+    def _run_step(self, step: StepParts) -> Any:
         finished = self.finished
         if self._first_batch:
             self._first_batch = False
