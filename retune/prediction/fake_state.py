@@ -1,0 +1,113 @@
+"""Fake stand-ins for a run's training state: parameters, buffers and optimizers, without copying data.
+
+A traced step must see tensors of the real shapes, dtypes and devices (that is what its memory
+depends on) and must not be able to write to the real ones. :func:`fake_training_state` makes one
+fake tensor per real storage with ``FakeTensorMode.from_tensor`` (metadata only: a fake tensor
+holds no data; tied weights stay tied because the mode memoises real -> fake), and
+:func:`swapped_in` puts the fakes into the module's ``_parameters``/``_buffers`` for the length of
+the trace, so the user's ``training_step`` runs unchanged on them and every write (a BatchNorm's
+running statistics, ``num_batches_tracked``) lands on a fake.
+
+Optimizers are *cloned over the fake parameters*, not modelled analytically per optimizer kind: a
+shallow copy of the real optimizer object (its class, hyperparameters and hooks; ``__init__`` is not
+called, so any ``Optimizer`` subclass works without knowing its constructor) with fake param groups
+and a fake copy of its state. Running the real ``step`` code on fakes accounts for whatever state
+that optimizer keeps (Adam's two moments, SGD's momentum buffer, none for plain SGD), creates it at
+the first step exactly as the real one would, and counts its temporaries; an analytic table would
+miss all three for optimizers it does not list. Scalar state (Adam's ``step``) is faked as a
+*constant* holding a private copy of its value, because ``step`` reads it back with ``.item()``,
+which a fake tensor without a value refuses; a copy, because the fake mode computes in place on a
+constant's value.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+__all__ = ["FakeTrainingState", "fake_tensor", "fake_training_state", "swapped_in"]
+
+
+@dataclass
+class FakeTrainingState:
+    """Fakes of a module's parameters and buffers by qualified name (tied names share one fake), and
+    optimizers that hold the fakes in place of the real parameters."""
+
+    parameters: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    optimizers: list[torch.optim.Optimizer]
+
+
+def fake_tensor(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake of ``tensor``; a one-element CPU tensor is a constant over a private copy of its value."""
+    if tensor.numel() <= 1 and tensor.device.type == "cpu":
+        # a scalar the optimizer reads back with .item(): a constant, over a copy of its value
+        converter = mode.fake_tensor_converter
+        return converter.from_real_tensor(mode, tensor.detach().clone(), make_constant=True)
+    return mode.from_tensor(tensor)
+
+
+def fake_training_state(
+    mode: FakeTensorMode, module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+) -> FakeTrainingState:
+    """Fakes for ``module``'s parameters and buffers and clones of ``optimizers`` over them (see module doc)."""
+    parameters: dict[str, torch.Tensor] = {
+        name: mode.from_tensor(p) for name, p in module.named_parameters(remove_duplicate=False)
+    }
+    buffers: dict[str, torch.Tensor] = {
+        name: mode.from_tensor(b) for name, b in module.named_buffers(remove_duplicate=False) if b is not None
+    }
+    return FakeTrainingState(parameters, buffers, [_fake_optimizer(mode, opt) for opt in optimizers])
+
+
+def _fake_optimizer(mode: FakeTensorMode, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    clone = object.__new__(type(optimizer))
+    clone.__dict__.update(optimizer.__dict__)
+    fakes: dict[int, torch.Tensor] = {}
+
+    def fake_param(param: torch.Tensor) -> torch.Tensor:
+        if id(param) not in fakes:
+            fakes[id(param)] = mode.from_tensor(param)  # memoised: the module's fake of the same parameter
+        return fakes[id(param)]
+
+    clone.param_groups = [
+        {**group, "params": [fake_param(p) for p in group["params"]]} for group in optimizer.param_groups
+    ]
+    state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
+    for param, values in optimizer.state.items():
+        key = fake_param(param) if isinstance(param, torch.Tensor) else param
+        state[key] = {
+            name: fake_tensor(mode, value) if isinstance(value, torch.Tensor) else copy.copy(value)
+            for name, value in values.items()
+        }
+    clone.state = state
+    for name, value in optimizer.__dict__.items():
+        if isinstance(value, OrderedDict):  # the per-optimizer hook registries: the clone's own copies
+            setattr(clone, name, OrderedDict(value))
+    return clone
+
+
+@contextmanager
+def swapped_in(module: torch.nn.Module, state: FakeTrainingState) -> Iterator[None]:
+    """``module``'s parameters and buffers are ``state``'s fakes inside the block; the real tensors
+    (the same objects) are back in their places afterwards, whatever the block did."""
+    saved: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for table, fakes in (("_parameters", state.parameters), ("_buffers", state.buffers)):
+            for name, fake in fakes.items():
+                owner_name, _, leaf = name.rpartition(".")
+                owner = module.get_submodule(owner_name)
+                entries: dict[str, Any] = getattr(owner, table)
+                saved.append((entries, leaf, entries[leaf]))
+                entries[leaf] = fake
+        yield
+    finally:
+        for entries, leaf, real in reversed(saved):
+            entries[leaf] = real

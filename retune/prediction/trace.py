@@ -1,0 +1,176 @@
+"""One training step traced on fake tensors at a given batch size, and its peak memory read off.
+
+The step runs exactly as a probe runs it (the user's ``training_step`` with the arguments Lightning
+would pass it, backward and the optimizer step under the trainer's strategy and precision:
+:func:`retune.compat.stage_steps.training_step`), but inside a ``FakeTensorMode``: the module's
+parameters and buffers are fakes (:mod:`~retune.prediction.fake_state`), the optimizer is a clone
+over them, and the batch is fake at the requested size (:mod:`~retune.prediction.fake_batch`).
+Fake tensors carry shapes, dtypes and devices and no data, and every operator runs only its shape
+function, so a step at any size costs about the same few milliseconds and allocates nothing.
+
+The peak is read by the probes' own tracker (:class:`retune.memory.CpuPeakTracker`) pushed inside the
+fake mode: it sees every fake storage an operator returns, counts it once, and uncounts it when the
+storage is freed, exactly as it does for a real probe; plus :func:`retune.memory.resident_bytes` of
+the fake state before the step. So a prediction is the quantity ``measure_peak`` reports for a real
+CPU probe, by construction, and the two differ only where a real kernel and its fake implementation
+allocate differently (a decomposition with other intermediates). torch's ``MemTracker``
+(``torch.distributed._tools.mem_tracker``) works on CPU in torch 2.13 and was read, not used: it
+raises ``NotImplementedError`` when the root module runs twice in one tracked block (a step that
+calls the model twice; two traced steps), it installs process-wide module and optimizer hooks for its
+duration, and its total counts the gradients present before the step, which a probe does not (the
+step frees them first); its per-module breakdown is what it adds, and nothing here needs it.
+
+Nothing of the run changes: the real parameters, gradients, buffers, optimizer state and the
+trainer's optimizers are never written (the fakes stand in for them and the real objects are put
+back), every module's train/eval flag and the global RNGs (Python, NumPy, torch, CUDA) are put back,
+and callbacks, loggers and logged metrics are hidden as in a probe.
+
+Where the trace cannot run, the result is a :class:`CannotPredict` with the reason (the operator, or
+the exception), never an exception: an operator whose output depends on data (``.item()``, a tensor
+in an ``if``: ``aten._local_scalar_dense``), one whose output *shape* depends on data (``nonzero``,
+``masked_select``), an operator without a fake implementation (a custom kernel), a real tensor the
+step reaches that was not faked (a tensor kept in a plain attribute; a grad scaler's state), or any
+other error of the step under fake tensors. A ``torch.compile``'d module is traced eagerly, as the CPU
+tracker runs it in a probe (its compiler stance), so it is predicted as the eager step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+
+from retune.compat.fake_trace import logging_silenced, optimizers_replaced
+from retune.compat.stage_steps import hooks_isolated, training_step
+from retune.memory import CpuPeakTracker, resident_bytes
+from retune.prediction.fake_batch import fake_batch
+from retune.prediction.fake_state import fake_training_state, swapped_in
+from retune.probing.sample_sizes import preserved_rng
+
+__all__ = ["CannotPredict", "StepFn", "StepTrace", "trace_step", "trace_training_step"]
+
+StepFn = Callable[[Any, list[torch.optim.Optimizer]], object]
+"""``step(batch, optimizers)``: one training step of the module on ``batch`` with ``optimizers``."""
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """The traced peak of a step at ``size``: ``peak_bytes`` is what a CPU probe's ``measure_peak`` would
+    report (``resident_bytes`` of parameters, buffers and optimizer state before the step, plus the peak
+    of what the step allocates); ``seconds`` is what the trace took."""
+
+    size: int
+    peak_bytes: int
+    resident_bytes: int
+    steps: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CannotPredict:
+    """The step could not be traced on fake tensors: ``reason`` says why in words, ``op`` names the
+    operator when one was to blame (``aten.nonzero.default``)."""
+
+    reason: str
+    op: str | None = None
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def trace_step(
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    batch: Any,
+    size: int,
+    step: StepFn,
+    steps: int | None = None,
+    device: torch.device | None = None,
+) -> StepTrace | CannotPredict:
+    """Trace ``steps`` calls of ``step`` on a fake ``batch`` of ``size`` samples; never raises.
+
+    ``steps=None`` traces one step when every trainable parameter already has optimizer state, two
+    otherwise: a first step creates the state, so only the second has the steady-state peak (state,
+    gradients and activations alive together). ``device`` puts the fake batch there (default: where
+    the batch's tensors are).
+    """
+    started = time.perf_counter()
+    count = steps if steps is not None else (1 if _state_exists(optimizers) else 2)
+    try:
+        with preserved_rng(), _modes_preserved(module), torch.inference_mode(False), torch.enable_grad():
+            mode = FakeTensorMode()  # real tensors reaching an op raise: nothing real can be written
+            state = fake_training_state(mode, module, optimizers)
+            fake = fake_batch(batch, size, mode, device)
+            with swapped_in(module, state), mode:
+                resident = resident_bytes(module, state.optimizers)
+                with CpuPeakTracker() as tracker:
+                    for _ in range(count):
+                        step(fake, state.optimizers)
+            peak = resident + tracker.peak_bytes
+    except Exception as error:  # every failure of the trace is a "cannot predict"
+        return cannot_predict(error)
+    return StepTrace(size, peak, resident, count, time.perf_counter() - started)
+
+
+def trace_training_step(
+    trainer: Any, pl_module: Any, batch: Any, size: int, batch_idx: int = 0, steps: int | None = None
+) -> StepTrace | CannotPredict:
+    """:func:`trace_step` of the run's own training step, as a probe runs it (see the module doc).
+
+    ``batch`` is one real batch of the kind the loader yields (on the host or the device; the fakes
+    are made on the module's device); only its structure, dtypes and per-sample shapes are read.
+    """
+
+    def step(fake: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+        with optimizers_replaced(trainer, optimizers), hooks_isolated(trainer, pl_module), logging_silenced(pl_module):
+            training_step(trainer, pl_module, fake, batch_idx)
+
+    return trace_step(pl_module, list(trainer.optimizers), batch, size, step, steps, pl_module.device)
+
+
+def cannot_predict(error: BaseException) -> CannotPredict:
+    """The reason a trace failed, in words, naming the operator where one was to blame."""
+    func = getattr(error, "func", None)
+    op = None if func is None else str(func)
+    if isinstance(error, DataDependentOutputException):
+        why = (
+            "its result depends on tensor values (a .item(), or a tensor in an `if`), which a fake trace does not have"
+        )
+        return CannotPredict(f"data-dependent operator {op}: {why}", op)
+    if isinstance(error, DynamicOutputShapeException):
+        return CannotPredict(f"operator {op} returns a shape that depends on the data (nonzero, masked_select)", op)
+    if isinstance(error, UnsupportedOperatorException):
+        return CannotPredict(f"operator {op} has no fake-tensor implementation (a custom kernel?)", op)
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return CannotPredict(f"the step failed on fake tensors: {type(error).__name__}: {message}"[:500], op)
+
+
+def _state_exists(optimizers: list[torch.optim.Optimizer]) -> bool:
+    return all(
+        len(optimizer.state.get(param, {})) > 0
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if param.requires_grad
+    )
+
+
+@contextmanager
+def _modes_preserved(module: torch.nn.Module) -> Iterator[None]:
+    """Every submodule's train/eval flag as it was (a step may call ``self.eval()``)."""
+    modes = [(sub, sub.training) for sub in module.modules()]
+    try:
+        yield
+    finally:
+        for sub, training in modes:
+            sub.training = training
