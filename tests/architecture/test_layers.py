@@ -12,7 +12,7 @@ The rules (README, "Development: layout"):
 * **Layers.** Every import goes down or sideways, never up, in this order: the base vocabulary
   (``errors``, ``events``, ``messages``, ``oom``, ``step_parts``); torch-only and torch-free foundations
   (``distributed/``, ``memory``, ``schedule/``); ``compat/`` (Lightning); the capabilities that run real
-  steps (``probing/``, ``recovery/``); the searches and reports (``search/``, ``buckets/``, ``lr/``,
+  steps (``probing/``, ``recovery/``); the searches, predictions and reports (``search/``, ``buckets/``, ``lr/``, ``prediction/``,
   ``reports/``); the callbacks; the applications (``integrations/``, ``cli``, ``demo``).
   ``compat/`` imports nothing of retune above the base vocabulary. Sideways imports must not form a
   cycle.
@@ -50,6 +50,7 @@ RANKS: dict[str, int] = {
     "retune.search": 4,
     "retune.buckets": 4,
     "retune.lr": 4,
+    "retune.prediction": 4,
     "retune.reports": 4,
     "retune.callbacks": 5,
     "retune.integrations": 6,
