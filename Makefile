@@ -1,4 +1,4 @@
-# Two commands do all the set-up (see README): `make run` and `make test`.
+# Two commands do all the set-up (see README): `make run` and `make test` (which also builds the docs site).
 # torch is pinned to 2.13.0 so that pip takes the CPU build instead of a multi-GB CUDA wheel;
 # GPU users install their own torch first (README, "GPU").
 PYTHON ?= python3.11
@@ -10,11 +10,11 @@ BIN := $(VENV)/bin
 FLASH_VENV ?= .venv-flash
 FLASH_BIN := $(FLASH_VENV)/bin
 
-.PHONY: run demo test test-main test-flash lint typecheck bench clean
+.PHONY: run demo test test-main test-flash lint typecheck docs docs-serve bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet $(TORCH) -e ".[lightning,fts,hf,demo,dev]"
+	$(BIN)/pip install --quiet $(TORCH) -e ".[lightning,fts,hf,demo,dev,docs]"
 	touch $@
 
 $(FLASH_BIN)/.installed: pyproject.toml requirements/flash.txt requirements/flash-constraints.txt
@@ -28,7 +28,7 @@ run: $(BIN)/.installed
 	$(BIN)/retune demo
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check retune tests examples
+	$(BIN)/ruff check retune tests examples docs/hooks
 	$(BIN)/ruff format --check retune
 
 typecheck: $(BIN)/.installed
@@ -44,10 +44,18 @@ test-flash: $(FLASH_BIN)/.installed
 	$(FLASH_BIN)/python -m pytest -p no:cacheprovider --junitxml=build/junit-flash.xml
 	$(FLASH_BIN)/python .ci/count_tests.py build/junit-flash.xml "flash stack (Lightning 1.9.5 + Flash 0.8.2)"
 
-test: lint typecheck test-main test-flash
+# The docs site (mkdocs.yml, docs/): --strict fails on a broken link, an unknown anchor, a page left
+# out of the nav or a docstring reference that does not resolve.
+docs: $(BIN)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(BIN)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+test: docs lint typecheck test-main test-flash
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m tests.benchmarks.run
 
 clean:
-	rm -rf $(VENV) $(FLASH_VENV) build .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(FLASH_VENV) build site .mypy_cache .ruff_cache .pytest_cache

@@ -1,6 +1,6 @@
 """The layer rules of ``retune/``, held by reading the source (AST), not by importing it.
 
-The rules (README, "Development: layout"):
+The rules (docs/development.md, "The layer rule"):
 
 * **One door to Lightning.** Only ``retune/compat/`` imports Lightning (``lightning``,
   ``pytorch_lightning``, ``lightning_fabric``, ``lightning_utilities``, ``finetuning_scheduler``) or reads a
@@ -12,7 +12,8 @@ The rules (README, "Development: layout"):
 * **Layers.** Every import goes down or sideways, never up, in this order: the base vocabulary
   (``errors``, ``events``, ``messages``, ``oom``, ``step_parts``); torch-only and torch-free foundations
   (``distributed/``, ``memory``, ``schedule/``); ``compat/`` (Lightning); the capabilities that run real
-  steps (``probing/``, ``recovery/``); the searches, predictions and reports (``search/``, ``buckets/``, ``lr/``, ``prediction/``,
+  steps (``probing/``, ``recovery/``); the searches, predictions and reports (``search/``, ``buckets/``,
+  ``lr/``, ``prediction/``,
   ``reports/``); the callbacks; the applications (``integrations/``, ``cli``, ``demo``).
   ``compat/`` imports nothing of retune above the base vocabulary. Sideways imports must not form a
   cycle.
