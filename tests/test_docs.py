@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -67,13 +68,16 @@ def _load_hooks() -> ModuleType:
 # ---------------------------------------------------------------- snippets
 
 
-def test_every_schedule_snippet_validates() -> None:
+def test_every_schedule_snippet_validates(monkeypatch: pytest.MonkeyPatch) -> None:
     """A YAML block whose keys are schedule keys is a schedule, or a part of one: it must load.
 
     A part without ``triggers`` (``search: {objective: throughput}``) is completed with a
     ``fit_start`` trigger, the one key every schedule needs; anything else in it must be valid as
     written. Other YAML (a LightningCLI config) must parse, and every schedule file it names exist.
+    Validation imports the dotted paths a schedule names; the pages' example user package
+    (``mypkg.sizes.tokens``, ``mypkg.items.count``) is provided as the user's project would.
     """
+    _example_user_package(monkeypatch)
     schedule_keys = set(RetuneSchedule.model_fields)
     checked = 0
     for page, body in _blocks("yaml"):
@@ -87,6 +91,18 @@ def test_every_schedule_snippet_validates() -> None:
             for path in re.findall(r"schedule: (\S+\.(?:yaml|json|toml))", body):
                 assert (ROOT / path).is_file(), f"{page}: names a schedule that does not exist: {path}"
     assert checked >= 6, "the pages lost their schedule snippets"
+
+
+def _example_user_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mypkg`` with ``sizes.tokens`` and ``items.count``: the user functions the pages' schedules name."""
+    package = types.ModuleType("mypkg")
+    package.__path__ = []
+    for name, attr in (("sizes", "tokens"), ("items", "count")):
+        module = types.ModuleType(f"mypkg.{name}")
+        setattr(module, attr, lambda value: 1)
+        setattr(package, name, module)
+        monkeypatch.setitem(sys.modules, f"mypkg.{name}", module)
+    monkeypatch.setitem(sys.modules, "mypkg", package)
 
 
 def test_every_python_snippet_parses_and_imports_what_exists() -> None:

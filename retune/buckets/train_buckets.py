@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from retune import compat
 from retune.buckets.loader import BucketBatchSampler, TrainLoaderHook, is_shuffled, loader_seed
@@ -29,6 +29,29 @@ from retune.events import Direction
 from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
 from retune.probing.prober import Prober
 from retune.search.throughput import ThroughputPlan, choose_fastest, selection_budget, selection_steps
+
+
+def sampler_that_chooses(loader: Any) -> str | None:
+    """The class name of ``loader``'s sampler when it decides *which* samples train (and how often), else None.
+
+    Buckets regroup an epoch's samples by size; they keep the data only for a sampler that draws every
+    sample exactly once per epoch, in an order that does not matter: ``SequentialSampler``,
+    ``RandomSampler`` without replacement over the whole dataset, ``DistributedSampler`` (each rank its
+    share) and retune's own bucket order. A ``WeightedRandomSampler``, a ``RandomSampler`` with
+    replacement or another ``num_samples``, or a custom sampler (a subset, a curriculum) decides what
+    trains: bucketing would silently train other data, so the loader stays as the user built it.
+    """
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
+    if sampler is None or isinstance(batch_sampler, BucketBatchSampler):
+        return None
+    if type(sampler) in (SequentialSampler, DistributedSampler):  # subclasses (Lightning's wrapper of a
+        return None  # custom sampler under DDP, a user's own) may choose: they fall through to the refusal
+    if type(sampler) is RandomSampler:
+        dataset = getattr(loader, "dataset", None)
+        whole = dataset is not None and hasattr(dataset, "__len__") and sampler.num_samples == len(dataset)
+        return None if not sampler.replacement and whole else "RandomSampler with replacement or num_samples"
+    return type(sampler).__name__
 
 
 @dataclass
@@ -204,6 +227,12 @@ class TrainBuckets:
         """Why this train loader cannot be bucketed, or None."""
         if isinstance(loader, (Mapping, list, tuple)):
             return "train_dataloader() returns several loaders"
+        chooser = sampler_that_chooses(loader)
+        if chooser is not None:
+            return (
+                f"its sampler ({chooser}) chooses which samples train and how often, and buckets would replace its "
+                "draws with every sample once per epoch"
+            )
         return why_not_reorderable(loader)
 
     def prepare(self, loader: Any, say: Any, bounds: Sequence[int] | None = None) -> Buckets | None:
@@ -465,4 +494,4 @@ def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-__all__ = ["BucketOutcome", "BucketState", "TrainBuckets"]
+__all__ = ["BucketOutcome", "BucketState", "TrainBuckets", "sampler_that_chooses"]
