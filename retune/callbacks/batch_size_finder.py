@@ -48,6 +48,9 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         schedule: a schedule file (YAML, JSON or TOML), a dict, or a :class:`~retune.RetuneSchedule`.
         triggers: extra :class:`~retune.Trigger` objects, checked after the schedule's own.
         verbose: print one line per trial and a summary per search (rank zero only).
+        out_dir: where ``history.json``, ``history.csv`` and ``batch_size.png`` go at fit
+            end (default: ``retune/`` in the first logger's folder; no logger and no ``out_dir``: no files).
+        write_report: write those files (``False``: keep ``history`` in memory and checkpoints only).
         split_batch: with the ``oom`` trigger, how to cut a batch of a type retune does not know into
             micro-batches: ``fn(batch, pieces) -> list of micro-batches`` (see :mod:`retune.recovery.split`).
         sample_size: ``fn(sample) -> int``, the size of ``dataset[i]`` that ``search.probe_samples: largest``
@@ -71,6 +74,21 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         finder.history      # one RetuneEvent per search, oldest first
 
     The batch size is per device (per DDP process), like every Lightning batch size.
+
+    Logged metrics (through ``pl_module.log`` on every logger, rank zero's values):
+
+    ==============================  ===================================  =========================================
+    key                             when                                 value
+    ==============================  ===================================  =========================================
+    ``retune/batch_size``           every search                         the size applied
+    ``retune/search_seconds``       every search                         how long the search took
+    ``retune/trials``               every search                         probes run
+    ``retune/batch_size_bucket<i>`` ``batching: buckets``                bucket *i*'s size, shortest samples first
+    ``retune/samples_per_step``     ``batching: buckets``                mean samples per step over an epoch
+    ``retune/padded_per_step``      buckets with ``throughput``          the cap on padded work per step
+    ``retune/samples_per_s``        ``objective: throughput``            the chosen size's measured rate
+    ``retune/oom_micro_batches``    a step recovered by ``oom``          micro-batches it was split into
+    ==============================  ===================================  =========================================
     """
 
     _retune_rank = 1  # after every other callback, before a ScheduledLRFinder (retune.callbacks.ordering)

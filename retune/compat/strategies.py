@@ -31,7 +31,8 @@ _MODEL_PARALLEL = "ModelParallelStrategy"
 _POINT_TO_FSDP2 = (
     "Use Lightning's ModelParallelStrategy with FSDP2 instead: `strategy=ModelParallelStrategy("
     "data_parallel_size=<devices>, tensor_parallel_size=1)` and `fully_shard(...)` in your LightningModule's "
-    "`configure_model()` (README: 'Sharded training (FSDP2)'); or DDP when the model fits one device."
+    "`configure_model()` (docs/guides/distributed.md, 'Sharded training (FSDP2)'); or DDP when the model "
+    "fits one device."
 )
 
 

@@ -16,8 +16,8 @@ optimizer step, after every rank has its complete local gradient — recovered o
 On the steps of an accumulation window that do not step the optimizer only the status is agreed
 (one single-element all-reduce), so a failure inside a window cannot strand the other ranks either.
 
-What it costs: the all-reduce no longer overlaps with backward as DDP's buckets do. See the
-README's "When a step still runs out of memory" for measured numbers.
+What it costs: the all-reduce no longer overlaps with backward as DDP's buckets do. See
+docs/guides/oom.md ("What it costs") for measured numbers.
 """
 
 from __future__ import annotations

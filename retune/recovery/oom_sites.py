@@ -29,7 +29,7 @@ from types import TracebackType
 SPLITTABLE = frozenset(
     {"training_step", "backward", "on_before_backward", "on_before_zero_grad", "optimizer_zero_grad"}
 )
-"""Sites an OOM in is recovered by training the batch as micro-batches (the README lists them)."""
+"""Sites an OOM in is recovered by training the batch as micro-batches (docs/guides/oom.md lists them)."""
 
 _BEFORE_STEP = frozenset(
     {
@@ -94,7 +94,7 @@ def why_not_recovered(site: str | None) -> str:
     return (
         f"{NOTE_PREFIX} out of memory in {where}; retune recovers out-of-memory errors in training_step, its backward "
         "and on_before_zero_grad/optimizer_zero_grad/on_before_backward, and in validation_step, test_step and "
-        "predict_step (see the README's 'When a step still runs out of memory')."
+        "predict_step (see docs/guides/oom.md, 'Where an OOM is recovered')."
     )
 
 
