@@ -60,7 +60,7 @@ MEMORY_MODES = ("simulated", "measured")
 EVAL_BATCH_SIZE = 256
 FEATURES = 64
 # The ready-made schedule in the source tree; a wheel has no schedules/ folder, so the demo falls
-# back to the identical built-in copy below (tests/test_demo.py checks they stay identical).
+# back to the identical built-in copy below (tests/project/test_demo.py checks they stay identical).
 SCHEDULE_FILE = Path(__file__).resolve().parent.parent / "schedules" / "freeze_unfreeze.yaml"
 BUILTIN_SCHEDULE: Mapping[str, Any] = {
     "version": 1,

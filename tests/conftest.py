@@ -5,7 +5,7 @@ work, torch's default of one thread per core makes steps up to 20x slower throug
 
 Distributed objects: a test that needs a process group takes the ``gloo_group`` fixture, which owns
 the group and every DDP wrapper made through it and tears them down in the one order that cannot
-deadlock (see tests/dist_utils.py); ``_no_process_group_left`` fails any test that leaves a group
+deadlock (see tests/helpers/dist_utils.py); ``_no_process_group_left`` fails any test that leaves a group
 behind. Every test also runs under a timeout (pyproject.toml, ``[tool.pytest.ini_options]``).
 """
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_utils import GlooGroup
+from tests.helpers.dist_utils import GlooGroup
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,7 @@ from retune.allocator import (
     use_memory_stats,
 )
 from retune.probing.prober import Prober
-from tests.lightning_ns import pl, seed
+from tests.helpers.lightning_ns import pl, seed
 
 GiB, MiB = 2**30, 2**20
 H200 = 140 * GiB

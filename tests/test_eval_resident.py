@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader
 from retune import ScheduledBatchSizeFinder
 from retune.memory import measure_peak, pending_state_bytes, resident_in_evaluation, tensor_bytes
 from retune.schedule.models import parse_byte_size
-from tests import bucket_data
-from tests.bucket_data import BucketModel, IndexedTokens, UnfreezeAt, pad_collate, tokens
-from tests.lightning_ns import pl, seed
+from tests.helpers import bucket_data
+from tests.helpers.bucket_data import BucketModel, IndexedTokens, UnfreezeAt, pad_collate, tokens
+from tests.helpers.lightning_ns import pl, seed
 
 BUDGET = parse_byte_size(bucket_data.BUDGET)
 

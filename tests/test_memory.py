@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from retune import ScheduledBatchSizeFinder
 from retune.memory import CpuPeakTracker, measure_peak, resident_bytes, tensor_bytes
 from retune.search.largest import MemoryModel, SearchPlan, SearchResult, plan_search, run_model_search
-from tests.lightning_ns import pl
+from tests.helpers.lightning_ns import pl
 
 MiB = 2**20
 

@@ -5,7 +5,7 @@ Two pages hold a marker that this hook replaces while the site builds:
 * ``<!-- generated:schedule-reference -->`` (``docs/reference/schedule.md``) becomes one table per
   section of the schedule format, rendered from the pydantic models in ``retune.schedule.models``:
   every field with its type, default, constraints and description. Adding a field to a model adds a
-  row here; ``tests/test_docs.py`` checks that every field of ``RetuneSchedule`` is listed.
+  row here; ``tests/project/test_docs.py`` checks that every field of ``RetuneSchedule`` is listed.
 * ``<!-- generated:cli-reference -->`` (``docs/reference/cli.md``) becomes the ``--help`` of the
   ``retune`` command and each subcommand, from ``retune.cli.build_parser``.
 

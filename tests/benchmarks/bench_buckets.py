@@ -4,7 +4,7 @@ Two long-tailed variable-length workloads, each trained for two epochs under the
 budget (retune's ``CpuPeakTracker``), the backbone frozen in epoch 0 and unfrozen at epoch 1 (a
 re-tune), side by side in one process:
 
-* ``tokens``: the token-sequence data of ``bench_probe_samples`` (tests/varlen.py: 1200 sequences of
+* ``tokens``: the token-sequence data of ``bench_probe_samples`` (tests/helpers/varlen.py: 1200 sequences of
   16 tokens, 0.25% of them 128) with its small embedding + MLP classifier, budget 6 MiB;
 * ``bert``: a small BERT built from ``transformers.BertConfig`` (2 layers, hidden 64, eager
   attention: memory grows with length squared), 600 texts with 98% of 16-64 tokens and 2% of
@@ -45,8 +45,8 @@ from torch.utils.data import DataLoader, Dataset
 from retune import ScheduledBatchSizeFinder
 from retune.memory import measure_peak, tensor_bytes
 from retune.schedule.models import parse_byte_size
-from tests import varlen
-from tests.lightning_ns import NAMESPACE, PRECISION_32, pl, seed
+from tests.helpers import varlen
+from tests.helpers.lightning_ns import NAMESPACE, PRECISION_32, pl, seed
 
 RESULTS = Path(__file__).parent / "results"
 MODES = ("first", "largest", "buckets", "buckets_throughput")
@@ -66,7 +66,7 @@ class _Freezable(pl.LightningModule):  # type: ignore[misc]
 
 
 class TokenModel(varlen.TokenClassifier, _Freezable):  # type: ignore[misc]
-    """tests/varlen.py's classifier with its embedding and MLP as the backbone."""
+    """tests/helpers/varlen.py's classifier with its embedding and MLP as the backbone."""
 
     def __init__(self) -> None:
         super().__init__(varlen.TokenDataset(varlen.lengths()), batch_size=8, shuffle=True, seed=0)

@@ -4,7 +4,7 @@ The same model (an MLP, four Linear(1024, 1024) layers + a head, ~4.2M parameter
 2 CPU processes (gloo) under DDP and under ``ModelParallelStrategy`` with every Linear sharded by
 ``fully_shard``. At the start of epoch 1 (Adam's moments exist) each rank times retune's snapshot +
 restore (what a search costs in state handling; median of 7) and records the bytes the snapshot
-holds. Then a search runs at fit start of a second fit: the same oracle (tests/oracle.py, the real
+holds. Then a search runs at fit start of a second fit: the same oracle (tests/helpers/oracle.py, the real
 ``torch.OutOfMemoryError`` above a modelled capacity) on both strategies, so both try the same sizes,
 and the search's wall time (median and best of 3: on a shared machine the best is the least disturbed)
 is the cost of its probes: FSDP2's all-gathers and reduce-scatters, plus
@@ -53,8 +53,8 @@ def _worker(name: str, out: Path) -> None:
     from retune.distributed.fsdp2 import ShardedTrials
     from retune.probing import prober as probe
     from retune.probing.snapshot import TrainingSnapshot
-    from tests.lightning_ns import pl
-    from tests.oracle import MemoryOracle
+    from tests.helpers.lightning_ns import pl
+    from tests.helpers.oracle import MemoryOracle
 
     strategy_name = "fsdp2" if name.startswith("fsdp2") else "ddp"
     if name == "fsdp2-unguarded":

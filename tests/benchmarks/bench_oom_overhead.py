@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from retune import ScheduledBatchSizeFinder
-from tests.lightning_ns import pl
+from tests.helpers.lightning_ns import pl
 
 RESULTS = Path(__file__).parent / "results"
 STEPS, BATCH = 384, 64

@@ -1,6 +1,6 @@
 """probe_samples benchmark: does the size a search finds hold for every batch of the epoch?
 
-On variable-length token data (tests/varlen.py: 1200 sequences of 16 tokens, 0.25% of them 8x
+On variable-length token data (tests/helpers/varlen.py: 1200 sequences of 16 tokens, 0.25% of them 8x
 longer, padded to the longest of each batch; the long ones past the first batches) with a CPU
 budget measured by retune's ``CpuPeakTracker``, one run measures, for ``probe_samples: first`` and
 ``largest``:
@@ -34,8 +34,8 @@ import torch
 from retune import ScheduledBatchSizeFinder
 from retune.probing.sample_sizes import default_sample_size, scan_sizes, size_spread
 from retune.schedule.models import parse_byte_size
-from tests import varlen
-from tests.lightning_ns import NAMESPACE, pl, seed
+from tests.helpers import varlen
+from tests.helpers.lightning_ns import NAMESPACE, pl, seed
 
 RESULTS = Path(__file__).parent / "results"
 REPEATS = 3

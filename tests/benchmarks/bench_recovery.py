@@ -39,8 +39,8 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from retune import ScheduledBatchSizeFinder
-from tests.lightning_ns import pl
-from tests.oom_oracle import FailInBackward
+from tests.helpers.lightning_ns import pl
+from tests.helpers.oom_oracle import FailInBackward
 
 RESULTS = Path(__file__).parent / "results"
 BATCH, TOKENS, STEPS = 32, 96, 16

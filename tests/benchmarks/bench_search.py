@@ -11,7 +11,7 @@ LightningModule trained with AdamW. Phases:
 * **re-tune**: the search after ``BackboneFinetuning`` unfreezes the backbone at epoch 1. retune
   re-tunes inside the running fit (trigger ``trainable_params_changed``). Lightning's documented
   mid-run recipe runs zero batches once training has started (Lightning issue #21903, see
-  tests/test_unfreeze.py), so its only working option is a new fit on the unfrozen model, searched
+  tests/callbacks/test_unfreeze.py), so its only working option is a new fit on the unfrozen model, searched
   from ``init_val``: that is what its "re-tune" rows measure, against that state's own true maximum.
 
 The true maximum of each search point is the largest batch size whose ``steps_per_trial`` real

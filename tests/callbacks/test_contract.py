@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from retune import ScheduledBatchSizeFinder, ScheduledLRFinder
-from tests.lightning_ns import PRECISION_32, pl, seed
-from tests.oracle import FineTuneModel
-from tests.retune_warnings import retune_warnings
+from tests.helpers.lightning_ns import PRECISION_32, pl, seed
+from tests.helpers.oracle import FineTuneModel
+from tests.helpers.retune_warnings import retune_warnings
 
 pytestmark = pytest.mark.timeout(120)
 

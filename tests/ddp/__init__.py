@@ -8,7 +8,7 @@ from typing import Any
 def ddp_trainer(callbacks: list[Any], **kwargs: Any) -> Any:
     """A Trainer on 2 CPU ranks under DDP for one epoch, with nothing beyond the run itself (no logger,
     checkpoints, progress bar or model summary); ``kwargs`` add to or override these."""
-    from tests.lightning_ns import pl
+    from tests.helpers.lightning_ns import pl
 
     settings: dict[str, Any] = {
         "strategy": "ddp",

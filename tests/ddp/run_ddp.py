@@ -1,6 +1,6 @@
 """One DDP scenario on CPU (gloo, 2 processes); each rank writes what it ended with as JSON.
 
-Run by tests/test_ddp.py in a subprocess with a timeout, so a hang fails the test instead of
+Run by tests/distributed/test_ddp.py in a subprocess with a timeout, so a hang fails the test instead of
 hanging CI. Lightning's DDP launcher starts rank 1 by re-running this script.
 
 Scenarios:
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from retune import ScheduledBatchSizeFinder
-from tests.dist_utils import leave_rank
-from tests.lightning_ns import callbacks, pl
-from tests.oracle import FineTuneModel, MemoryOracle
+from tests.helpers.dist_utils import leave_rank
+from tests.helpers.lightning_ns import callbacks, pl
+from tests.helpers.oracle import FineTuneModel, MemoryOracle
 
 CAPACITY = 2_000_000
 RANK1_CAPACITY = 1_500_000
@@ -94,7 +94,7 @@ def _write_teardown_order(writer: WriteResult, trainer: Any, out: Path) -> None:
     """Whether the DDP wrapper (and its reducer) was freed while the process group was still alive.
 
     Freed after the group is destroyed, the reducer would be the group's last owner and destroy it
-    holding the GIL, which can deadlock (tests/dist_utils.py). Lightning drops the wrapper at teardown
+    holding the GIL, which can deadlock (tests/helpers/dist_utils.py). Lightning drops the wrapper at teardown
     and destroys the group at exit; nothing retune keeps may hold the wrapper past teardown.
     """
     import torch.distributed as dist

@@ -1,6 +1,6 @@
 """``search.batching: buckets`` under DDP on CPU (gloo, 2 processes); each rank writes what it saw as JSON.
 
-Run by tests/test_buckets_ddp.py in a subprocess with a timeout. Two epochs, the backbone unfrozen at
+Run by tests/buckets/test_ddp.py in a subprocess with a timeout. Two epochs, the backbone unfrozen at
 the second, so the buckets are searched at fit start and re-tuned mid-run on both ranks. Each rank
 records every real batch (its samples' indices and the bucket it came from) and measures every real
 step as a probe is measured.
@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from retune import ScheduledBatchSizeFinder
-from tests import bucket_data
 from tests.ddp import ddp_trainer
-from tests.dist_utils import leave_rank
-from tests.lightning_ns import pl
-from tests.varlen import StepPeaks
+from tests.helpers import bucket_data
+from tests.helpers.dist_utils import leave_rank
+from tests.helpers.lightning_ns import pl
+from tests.helpers.varlen import StepPeaks
 
 
 class Record(pl.Callback):  # type: ignore[misc,name-defined]

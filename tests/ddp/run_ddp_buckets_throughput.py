@@ -1,6 +1,6 @@
 """``objective: throughput`` with ``batching: buckets`` under DDP on CPU (gloo, 2 processes).
 
-Run by tests/test_buckets_ddp.py in a subprocess with a timeout. Each rank's steps advance its own injected
+Run by tests/buckets/test_ddp.py in a subprocess with a timeout. Each rank's steps advance its own injected
 clock by a known function of the padded tokens; rank 1's knee is lower (past 512 tokens it slows down), so
 the slowest rank's timings decide the padded work per step, and both ranks must cap every bucket alike.
 Each rank writes its history, bucket sizes and the sizes of the batches it trained as JSON.
@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from retune import ScheduledBatchSizeFinder
-from tests import bucket_data
 from tests.ddp import ddp_trainer
-from tests.dist_utils import leave_rank
-from tests.lightning_ns import pl
-from tests.step_time import FakeClock
+from tests.helpers import bucket_data
+from tests.helpers.dist_utils import leave_rank
+from tests.helpers.lightning_ns import pl
+from tests.helpers.step_time import FakeClock
 
 TIMES = {0: bucket_data.PaddedStepTime(knee=1024), 1: bucket_data.PaddedStepTime(knee=512)}
 N = 401

@@ -1,6 +1,6 @@
 """``probe_samples: largest`` under DDP on CPU (gloo, 2 processes); each rank writes what it saw as JSON.
 
-Run by tests/test_probe_samples.py in a subprocess with a timeout. Both ranks scan the whole dataset
+Run by tests/probing/test_probe_samples.py in a subprocess with a timeout. Both ranks scan the whole dataset
 and probe the same global largest samples; Lightning's ``DistributedSampler`` then gives each rank
 its shuffled shard. Each rank measures every real step of the epoch as a probe is measured.
 """
@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 
 from retune import ScheduledBatchSizeFinder
-from tests import varlen
 from tests.ddp import ddp_trainer
-from tests.dist_utils import leave_rank
-from tests.lightning_ns import pl
+from tests.helpers import varlen
+from tests.helpers.dist_utils import leave_rank
+from tests.helpers.lightning_ns import pl
 
 
 class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]

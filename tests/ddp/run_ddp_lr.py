@@ -1,6 +1,6 @@
 """ScheduledLRFinder under DDP on CPU (gloo, 2 processes); each rank writes what it ended with as JSON.
 
-Run by tests/test_ddp_lr.py in a subprocess with a timeout. Scenarios:
+Run by tests/lr/test_ddp.py in a subprocess with a timeout. Scenarios:
   agree   range tests at fit start and at epoch 1; rank 1's loss is scaled by 3, so the averaged curve
           differs from either rank's own: every rank records its own raw losses to check the average
   hand    the same run without the finder, setting by hand the rates `agree` found (read from its rank0.json)
@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 from retune import ScheduledLRFinder
 from tests.ddp import ddp_trainer
-from tests.dist_utils import leave_rank
-from tests.lightning_ns import pl
-from tests.oracle import FineTuneModel
+from tests.helpers.dist_utils import leave_rank
+from tests.helpers.lightning_ns import pl
+from tests.helpers.oracle import FineTuneModel
 
 SCHEDULE = {
     "triggers": [{"kind": "fit_start"}, {"kind": "epoch", "at": [1]}],

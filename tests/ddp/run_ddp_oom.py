@@ -1,7 +1,7 @@
 """One DDP run with the ``oom`` trigger on CPU (gloo, 2 processes); each rank writes its result as JSON.
 
-Run by tests/test_ddp_oom.py in a subprocess with a timeout, so a hang fails the test instead of
-hanging CI. Only rank 1 runs out of memory (tests/oom_oracle.py raises the real
+Run by tests/distributed/test_ddp_oom.py in a subprocess with a timeout, so a hang fails the test instead of
+hanging CI. Only rank 1 runs out of memory (tests/helpers/oom_oracle.py raises the real
 ``torch.OutOfMemoryError`` above a padded-token capacity); rank 0 has memory for every batch.
 
 Usage: run_ddp_oom.py WHERE OUT   with WHERE one of forward, backward, none (no capacity on any
@@ -25,10 +25,10 @@ import torch
 
 from retune import ScheduledBatchSizeFinder
 from tests.ddp import ddp_trainer
-from tests.dist_utils import leave_rank
-from tests.lightning_ns import pl
-from tests.oom_oracle import TokenModel
-from tests.token_tasks import TokenTask
+from tests.helpers.dist_utils import leave_rank
+from tests.helpers.lightning_ns import pl
+from tests.helpers.oom_oracle import TokenModel
+from tests.helpers.token_tasks import TokenTask
 
 
 class RankTokenModel(TokenModel):
@@ -43,7 +43,7 @@ class RankTokenModel(TokenModel):
 
 class WatchWrapper(pl.Callback):  # type: ignore[misc,name-defined]
     """Keeps a weak reference to the DDP wrapper: retune holds it during training (its gradient sync)
-    and must let it go before Lightning's teardown, while the process group is alive (tests/dist_utils.py)."""
+    and must let it go before Lightning's teardown, while the process group is alive (tests/helpers/dist_utils.py)."""
 
     def __init__(self) -> None:
         self.wrapper: weakref.ref[Any] | None = None

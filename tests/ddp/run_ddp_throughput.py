@@ -1,6 +1,6 @@
 """``search.objective: throughput`` under DDP on CPU (gloo, 2 processes); each rank writes what it saw as JSON.
 
-Run by tests/test_throughput_fit.py in a subprocess with a timeout. Each rank's steps advance its own
+Run by tests/search/test_throughput_fit.py in a subprocess with a timeout. Each rank's steps advance its own
 injected clock by a known step time; rank 1 is slower past 16 samples (say, a GPU shared with another
 job), so the slowest rank's timings decide, and both ranks must choose the same size.
 """
@@ -19,9 +19,9 @@ import torch
 
 from retune import ScheduledBatchSizeFinder
 from tests.ddp import ddp_trainer
-from tests.dist_utils import leave_rank
-from tests.lightning_ns import pl
-from tests.step_time import FakeClock, StepTimeOracle, TimedModel, roomy_oracle
+from tests.helpers.dist_utils import leave_rank
+from tests.helpers.lightning_ns import pl
+from tests.helpers.step_time import FakeClock, StepTimeOracle, TimedModel, roomy_oracle
 
 TIMES = {0: StepTimeOracle(knee=48), 1: StepTimeOracle(knee=16)}
 

@@ -1,6 +1,6 @@
 """A user's training script, as a new user writes it: no logging configured, ``python train.py``.
 
-Run by tests/test_messages.py in a subprocess (its output captured whole, Python's warning filters
+Run by tests/callbacks/test_messages.py in a subprocess (its output captured whole, Python's warning filters
 at their defaults), once per scenario:
 
   plain    verbose=True
@@ -28,8 +28,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
-from tests.dist_utils import leave_rank
-from tests.lightning_ns import pl
+from tests.helpers.dist_utils import leave_rank
+from tests.helpers.lightning_ns import pl
 
 
 class Model(pl.LightningModule):  # type: ignore[misc,name-defined]

@@ -1,8 +1,8 @@
 """One FSDP2 scenario on CPU: ModelParallelStrategy, 2 gloo processes; each rank writes its result as JSON.
 
-Run by tests/test_fsdp2.py in a subprocess with a timeout, so a hang (a rank waiting in an all-gather
+Run by tests/distributed/test_fsdp2.py in a subprocess with a timeout, so a hang (a rank waiting in an all-gather
 for a rank that ran out of memory) fails the test instead of hanging CI. Lightning's launcher starts
-rank 1 by re-running this script. The model is tests/oracle.py's backbone + head, sharded in
+rank 1 by re-running this script. The model is tests/helpers/oracle.py's backbone + head, sharded in
 ``configure_model`` with ``fully_shard`` (each Linear, then the root).
 
 Scenarios (argv[1]):
@@ -45,10 +45,10 @@ from retune import ScheduledBatchSizeFinder
 from retune.distributed.fsdp2 import fsdp_modules
 from retune.distributed.local_shards import local
 from retune.probing.snapshot import TrainingSnapshot
-from tests.dist_utils import leave_rank
-from tests.lightning_ns import callbacks, pl
-from tests.oom_oracle import FailInBackward
-from tests.oracle import FineTuneModel, MemoryOracle, make_data
+from tests.helpers.dist_utils import leave_rank
+from tests.helpers.lightning_ns import callbacks, pl
+from tests.helpers.oom_oracle import FailInBackward
+from tests.helpers.oracle import FineTuneModel, MemoryOracle, make_data
 
 RANK1_CAPACITY = 1_500_000
 UNLIMITED = MemoryOracle(capacity=10**12)

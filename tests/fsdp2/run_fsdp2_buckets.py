@@ -1,7 +1,7 @@
 """``search.batching: buckets`` under FSDP2 (ModelParallelStrategy, 2 gloo processes on CPU); each rank
 writes what it saw as JSON.
 
-Run by tests/test_fsdp2_buckets.py in a subprocess with a timeout. The model and data are
+Run by tests/buckets/test_fsdp2.py in a subprocess with a timeout. The model and data are
 run_ddp_buckets.py's (a long-tailed token dataset, the backbone frozen for the first epoch), sharded
 with ``fully_shard`` in ``configure_model``; argv[2] is the search objective (``largest`` or
 ``throughput``). Each rank records every real batch and measures every real step as a probe is measured.
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from tests import bucket_data
 from tests.ddp.run_ddp_buckets import run
-from tests.dist_utils import leave_rank
-from tests.lightning_ns import pl
+from tests.helpers import bucket_data
+from tests.helpers.dist_utils import leave_rank
+from tests.helpers.lightning_ns import pl
 
 
 class ShardedBucketModel(bucket_data.BucketModel):

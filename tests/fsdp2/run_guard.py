@@ -1,6 +1,6 @@
 """CollectiveGuard on 2 gloo processes, without Lightning: a rank failing anywhere never strands the other.
 
-Run by tests/test_collective_guard.py in a subprocess with a timeout (a hang fails the test). Each
+Run by tests/distributed/test_collective_guard.py in a subprocess with a timeout (a hang fails the test). Each
 rank runs regions of three collectives; in each region rank 1 raises before collective ``k`` (k = 3:
 after the last one, so only the closing status all-reduce can tell rank 0). Two kinds of region:
 
@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from retune.distributed.collective_guard import CollectiveGuard, PeerFailed
-from tests.dist_utils import leave_rank
+from tests.helpers.dist_utils import leave_rank
 
 FAIL_AT = [None, 0, 1, 2, 3]  # None: nobody fails; 3: rank 1 fails after the region's last collective
 KINDS = ("c10d", "dtensor")

@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
 from retune.probing.prober import Prober
-from tests.lightning_ns import NAMESPACE, pl
+from tests.helpers.lightning_ns import NAMESPACE, pl
 
 scaling = importlib.import_module(f"{NAMESPACE}.tuner.batch_size_scaling")
 BackboneFinetuning = importlib.import_module(f"{NAMESPACE}.callbacks").BackboneFinetuning

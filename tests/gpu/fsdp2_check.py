@@ -47,7 +47,7 @@ def _worker(scenario: str, out: Path, sizes: list[int] | None) -> None:
     from retune import ScheduledBatchSizeFinder
     from retune.distributed.local_shards import local
     from retune.probing.snapshot import TrainingSnapshot
-    from tests.lightning_ns import callbacks, pl
+    from tests.helpers.lightning_ns import callbacks, pl
 
     class Wide(pl.LightningModule):  # type: ignore[misc,name-defined]
         """Big activations per sample, so that real CUDA OOM comes at a few thousand samples."""

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import RetuneError, ScheduledBatchSizeFinder
-from tests.lightning_ns import pl
+from tests.helpers.lightning_ns import pl
 
 
 class Wide(pl.LightningModule):  # type: ignore[misc,name-defined]

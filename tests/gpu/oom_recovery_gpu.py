@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from retune import ScheduledBatchSizeFinder
-from tests.lightning_ns import pl
+from tests.helpers.lightning_ns import pl
 
 VOCAB, DIM = 8000, 512
 

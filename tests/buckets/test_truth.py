@@ -1,0 +1,144 @@
+"""``batching: buckets`` trains the user's data and never keeps a size it measured to fail (issue 28).
+
+Memory comes from oracles that raise the real OOM error type (``torch.OutOfMemoryError``) when a batch's
+cost passes a capacity, so the searches bisect on real out-of-memory steps, as on a GPU without a budget.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from retune import ScheduledBatchSizeFinder
+from retune.buckets.plan import plan_buckets
+from retune.probing.sample_sizes import scan_sizes
+from tests.helpers import bucket_data
+from tests.helpers.bucket_data import BucketModel, IndexedTokens, long_tail_lengths, tokens
+from tests.helpers.lightning_ns import seed
+
+N = 400
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _data() -> IndexedTokens:
+    return IndexedTokens(long_tail_lengths(N))
+
+
+class _CostOracle(BucketModel):
+    """Runs out of memory like a GPU, with the real error type, when ``batch x cost`` passes ``capacity``; a
+    sample's cost is its tokens, except for the ``heavy`` samples, whose memory does not follow their length.
+    Counts ``training_step`` calls per epoch, and those of real steps (between the batch hooks) apart."""
+
+    def __init__(
+        self,
+        data: Any,
+        capacity: int,
+        heavy: dict[int, int] | None = None,
+        long_halved_from: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(data, **kwargs)
+        self.capacity, self.heavy, self.long_halved_from = capacity, heavy or {}, long_halved_from
+        self.real = False
+        self.real_calls: Counter[int] = Counter()
+        self.real_ooms = 0
+        self.calls_per_batch: list[tuple[list[int], int]] = []
+        """Each real batch's dataset indices and how many ``training_step`` calls it took."""
+
+    def cost(self, ids: torch.Tensor, index: torch.Tensor) -> int:
+        lengths = (ids > 0).sum(1).tolist()
+        return max(self.heavy.get(int(i), n) for i, n in zip(index.tolist(), lengths, strict=True))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, _, index = batch
+        if self.real:
+            self.real_calls[self.trainer.current_epoch] += 1
+            self.calls_per_batch[-1] = (self.calls_per_batch[-1][0], self.calls_per_batch[-1][1] + 1)
+        capacity = self.capacity
+        halved = self.long_halved_from is not None and self.trainer.global_step >= self.long_halved_from
+        if halved and int((ids > 0).sum(1).max()) > 100:
+            capacity //= 2  # memory that long sequences need grew: only the long samples' bucket fails
+        if ids.shape[0] * self.cost(ids, index) > capacity:
+            self.real_ooms += int(self.real)
+            raise torch.OutOfMemoryError(f"CUDA out of memory (oracle: {ids.shape[0]} x cost > {self.capacity})")
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.real = True
+        self.calls_per_batch.append((batch[2].tolist(), 0))
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.real = False
+
+
+def _oracle_schedule(oom: bool, **search: Any) -> dict[str, Any]:
+    triggers: list[dict[str, Any]] = [{"kind": "fit_start"}]
+    if oom:
+        triggers.append({"kind": "oom"})
+    return {
+        "triggers": triggers,
+        "search": {"batching": "buckets", "buckets": 4, "steps_per_trial": 1, "mode": "binsearch", "margin": 0.0,
+                   **search},
+    }
+
+
+# -- a size measured to fail is never used for that bucket again ---------------------------------------------
+
+
+def _heavy_sample(data: IndexedTokens) -> tuple[int, int]:
+    """The longest sample of the shortest bucket, and a cost for it above the next bucket's longest sample:
+    its memory does not follow its length, so "a size that fits longer samples fits shorter ones" is wrong."""
+    scan = scan_sizes(data, range(len(data)), tokens)
+    plan = plan_buckets(scan.order, scan.sizes, 4)
+    return plan.members[0][0], 2 * plan.largest[1]
+
+
+@pytest.mark.parametrize("oom", [False, True])
+def test_a_bucket_never_trains_at_a_size_its_probes_measured_to_fail(oom: bool) -> None:
+    seed(0)
+    data = _data()
+    heavy, cost = _heavy_sample(data)
+    model = _CostOracle(data, capacity=2048, heavy={heavy: cost})
+    finder = ScheduledBatchSizeFinder(_oracle_schedule(oom), sample_size=tokens, verbose=False, write_report=False)
+    bucket_data.trainer([finder], epochs=3).fit(model)
+    searches = [e for e in finder.history if not e.is_recovery]
+    for event in searches:
+        for bucket, size in enumerate(event.bucket_sizes):
+            failed = [t.batch_size for t, b in zip(event.trials, event.trial_buckets, strict=True)
+                      if b == bucket and not t.fits]
+            assert not failed or size < min(failed), (event.trigger, bucket, size, failed)
+    assert model.real_ooms == 0, "no real step ran out of memory"
+    batches_per_epoch = len(model.batches) // 3
+    assert dict(model.real_calls) == {0: batches_per_epoch, 1: batches_per_epoch, 2: batches_per_epoch}
+    assert finder.bucket_sizes[0] * cost <= 2048
+
+
+# -- the split kept after an OOM applies to the bucket that failed ---------------------------------------------
+
+
+def test_the_split_kept_after_an_oom_cuts_only_the_failing_buckets_batches() -> None:
+    seed(0)
+    data = _data()
+    model = _CostOracle(data, capacity=2048, long_halved_from=1)
+    finder = ScheduledBatchSizeFinder(_oracle_schedule(True), sample_size=tokens, verbose=False, write_report=False)
+    bucket_data.trainer([finder], epochs=1).fit(model)
+    recoveries = [e for e in finder.history if e.is_recovery]
+    assert recoveries and all("bucket 3" in e.note for e in recoveries), [e.note for e in recoveries]
+    split = [(indices, calls) for indices, calls in model.calls_per_batch if calls > 1]
+    assert split, "the long samples' batches were recovered in micro-batches"
+    lengths = [len(data[i]["input_ids"]) for indices, _ in split for i in indices]
+    assert min(lengths) > 100, "only batches of the failing (long) bucket are split"
+    assert model.real_calls[0] == len(model.calls_per_batch) + sum(calls - 1 for _, calls in split)
+    assert sorted(i for indices, _ in model.calls_per_batch for i in indices) == list(range(N))

@@ -1,0 +1,1 @@
+"""``retune.compat``: Lightning's hook calls and combined loaders, as Lightning runs them."""

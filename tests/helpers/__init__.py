@@ -1,0 +1,1 @@
+"""Shared test helpers: oracles that raise the real OOM error types, datasets, the Lightning namespace."""

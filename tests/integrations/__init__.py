@@ -1,0 +1,1 @@
+"""Flash, finetuning-scheduler and Hugging Face."""

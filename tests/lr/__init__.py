@@ -1,0 +1,1 @@
+"""``retune.lr`` and ``ScheduledLRFinder``."""

@@ -1,0 +1,1 @@
+"""``retune.probing``: the prober, snapshots, probe batches and sample sizes."""

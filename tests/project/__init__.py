@@ -1,0 +1,1 @@
+"""The project's pages and entry points: docs site, README, examples, demo, CLI, GPU scripts."""

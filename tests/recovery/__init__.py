@@ -1,0 +1,1 @@
+"""``retune.recovery``: out-of-memory recovery, splitting and its exactness."""

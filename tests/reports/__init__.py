@@ -1,0 +1,1 @@
+"""``retune.reports``: the histories, tables, plots and ``retune report``."""

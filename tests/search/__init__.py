@@ -1,0 +1,1 @@
+"""``retune.search``: the largest and throughput algorithms and the policies."""
