@@ -125,23 +125,13 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
 
     def _say(self, message: str, warn: bool = False) -> None:
         """A warning (always, once) or, when ``verbose``, a progress line; rank zero only (``retune.messages``)."""
-        say(message, warn, self.verbose, self._is_global_zero)
+        if self._is_global_zero:
+            messages.say(message, warn, self.verbose)
 
 
 def print_above_bar(message: str) -> None:
     """Print above a TQDM progress bar instead of through it."""
     messages.print_line(message)
-
-
-def say(message: str, warn: bool, verbose: bool, is_global_zero: bool) -> None:
-    """A warning (a ``RetuneWarning``, whatever ``verbose`` says) or, when verbose, a ``[retune]`` progress
-    line; on rank zero only, each printed once (``retune.messages``: not also logged, which printed twice)."""
-    if not is_global_zero:
-        return
-    if warn:
-        messages.warn(message)
-    elif verbose:
-        messages.progress(message)
 
 
 def report_dir(trainer: Any, out_dir: Path | None) -> Path | None:
@@ -169,4 +159,4 @@ def load_trigger_states(triggers: Sequence[Trigger], saved: Sequence[dict[str, A
             trigger.load_state_dict(state)
 
 
-__all__ = ["RetuneCallback", "load_trigger_states", "print_above_bar", "report_dir", "say", "trigger_states"]
+__all__ = ["RetuneCallback", "load_trigger_states", "print_above_bar", "report_dir", "trigger_states"]

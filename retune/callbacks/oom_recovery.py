@@ -21,6 +21,7 @@ from retune.compat.closure_runner import install_closure_runner
 from retune.distributed.grad_sync import SyncedSteps
 from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.events import RetuneEvent
+from retune.messages import Say
 from retune.oom import is_oom_error
 from retune.recovery.loss_items import ItemsFn, resolve_items_fn
 from retune.recovery.oom_sites import add_note, oom_site, why_not_recovered
@@ -29,8 +30,6 @@ from retune.recovery.step_recovery import EvalStepRecovery, Recovered, TrainStep
 from retune.schedule.models import RetuneSchedule
 from retune.schedule.triggers import OutOfMemory
 
-Say = Callable[..., None]
-"""``say(message, warn=False)``: the callback's rank-zero printer."""
 AttrName = Callable[[Any, Any, str], str]
 """``attr(trainer, pl_module, stage)``: the batch-size attribute a stage reads."""
 Record = Callable[..., None]

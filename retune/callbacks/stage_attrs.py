@@ -10,17 +10,14 @@ training's attribute, and warns once about an attribute set in several places
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from retune import compat
 from retune.compat import hooks as hook_calls
 from retune.errors import RetuneError
+from retune.messages import Say
 from retune.probing.batch_size_attr import duplicate_attr_message, loader_batch_size
 from retune.schedule.models import RetuneSchedule
-
-Say = Callable[..., None]
-"""``say(message, warn=False)``: the callback's rank-zero printer."""
 
 
 class StageAttrs:

@@ -17,12 +17,12 @@ imports this one and not the reverse: a fixed search never enters the buckets' c
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from retune import compat
 from retune.events import Direction
+from retune.messages import Say
 from retune.probing.prober import Prober
 from retune.schedule.models import RetuneSchedule
 from retune.search.largest import Mode, SearchPlan, SearchResult, run_model_search, run_search
@@ -37,9 +37,6 @@ from retune.search.throughput import (
 
 if TYPE_CHECKING:
     from retune.search.stage import StageState
-
-Say = Callable[..., None]
-"""``say(message, warn=False)``: the callback's rank-zero printer."""
 
 
 @dataclass(frozen=True)
