@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
 
 class RetuneWarning(UserWarning):
@@ -91,11 +92,17 @@ def warn(message: str) -> None:
     _issue(message)
 
 
-def say(message: str, warn: bool = False) -> None:
-    """A progress line (rank zero), or with ``warn`` a warning: the ``say`` retune's modules take by default."""
+Say = Callable[..., None]
+"""``say(message, warn=False)``: a rank-zero printer, what retune's modules take (a callback's ``_say``,
+or :func:`say`)."""
+
+
+def say(message: str, warn: bool = False, verbose: bool = True) -> None:
+    """With ``warn`` a warning (whatever ``verbose`` says), else, when ``verbose``, a progress line; rank zero
+    only, each printed once (not also logged, which printed twice): the ``say`` retune's modules take by default."""
     if warn:
         _issue(message)
-    else:
+    elif verbose:
         progress(message)
 
 
@@ -115,4 +122,4 @@ def print_line(message: str) -> None:
         print(message, file=sys.stderr)
 
 
-__all__ = ["RetuneWarning", "is_rank_zero", "print_line", "progress", "say", "set_rank", "warn"]
+__all__ = ["RetuneWarning", "Say", "is_rank_zero", "print_line", "progress", "say", "set_rank", "warn"]

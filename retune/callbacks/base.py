@@ -1,19 +1,23 @@
 """What retune's callbacks share: their Lightning base class, printing, report files, trigger state.
 
 ``ScheduledBatchSizeFinder`` and ``ScheduledLRFinder`` both subclass :class:`RetuneCallback` (a
-Lightning ``Callback`` of every installed namespace, picklable after a fit), print above Lightning's
-progress bar (rank zero only), write their files next to the first logger's, and keep their triggers'
-baselines in checkpoints; one implementation of each, here.
+Lightning ``Callback`` of every installed namespace, picklable after a fit): it loads the schedule and
+builds the triggers from the constructor arguments both take, starts ``setup`` (rank, ``fast_dev_run``),
+prints above Lightning's progress bar (rank zero only), logs an event's metrics, writes the table and
+the files at fit end next to the first logger's, and keeps the history and the triggers' baselines in
+checkpoints; one implementation of each, here. A subclass says what its table and files are
+(:meth:`RetuneCallback._table`, :meth:`RetuneCallback._write_files`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from retune import compat, messages
-from retune.schedule.triggers import Trigger
+from retune.schedule.loading import ScheduleSource, load_schedule
+from retune.schedule.triggers import Trigger, build_triggers
 
 if TYPE_CHECKING:
     _BASES: tuple[type, ...] = (object,)
@@ -27,26 +31,107 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
     Inheriting from each namespace's ``Callback`` lets ``isinstance`` checks pass whichever one the user
     imports (LightningCLI, the callback connector). A callback pickles (``ddp_spawn``) before and after
     a fit: what Lightning attaches to it during a fit is left out of its pickled state.
+
+    The constructor takes what both callbacks take (see each callback's ``Args``).
     """
+
+    history: list[Any]
+    """One event per search or range test, oldest first (the subclass says which event type)."""
+    report_paths: Any
+    """The files :meth:`on_fit_end` wrote (None before)."""
+
+    def __init__(
+        self,
+        schedule: ScheduleSource,
+        triggers: Sequence[Trigger] = (),
+        verbose: bool = True,
+        out_dir: str | Path | None = None,
+        write_report: bool = True,
+    ) -> None:
+        self.schedule = load_schedule(schedule)
+        self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
+        self.verbose = verbose
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        self.write_report = write_report
+        self.report_paths = None
+        self.history = []
+        self._fit_starting = False
+        self._restored = False
+        self._disabled = False
+        self._is_global_zero = True
 
     def __getstate__(self) -> dict[str, Any]:
         return compat.without_attached(self.__dict__)
+
+    def _start_setup(self, trainer: Any, skipped: str) -> bool:
+        """The start of ``setup``: this rank (printing is rank zero's) and whether ``fast_dev_run`` turns the
+        callback off for the run (then True, and one warning says that every ``skipped`` is skipped)."""
+        self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
+        messages.set_rank(int(getattr(trainer, "global_rank", 0)))
+        self._disabled = bool(trainer.fast_dev_run)
+        if self._disabled:
+            self._say(f"fast_dev_run is on: skipping every {skipped} in this run", warn=True)
+        return self._disabled
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        """Print the table of the run's events and write the files (rank zero, only when something ran).
+
+        The files go to ``out_dir``, else to ``retune/`` in the first logger's folder; a run with
+        neither (``logger=False``) writes none, as Lightning writes no logs then.
+        """
+        if self._disabled or not self.history or not self._is_global_zero:
+            return
+        if self.verbose:
+            print_above_bar(self._table())
+        out = report_dir(trainer, self.out_dir)
+        if not self.write_report or out is None:
+            return
+        self.report_paths, what = self._write_files(trainer, out)
+        self._say(f"{what} in {out}")
+
+    def _table(self) -> str:
+        """The table of the run's events printed at fit end."""
+        raise NotImplementedError
+
+    def _write_files(self, trainer: Any, out: Path) -> tuple[Any, str]:
+        """Write the run's files into ``out``: their paths, and what they are in words."""
+        raise NotImplementedError
+
+    def _log_metrics(self, trainer: Any, metrics: dict[str, float]) -> None:
+        """Send an event's metrics to every logger, at the step it ran (rank zero's values only).
+
+        ``logger.log_metrics`` rather than ``pl_module.log``: it records the value at the event's own
+        step, works from every hook (eval-stage searches run where ``self.log`` is refused), and keeps
+        retune's numbers out of ``callback_metrics``, which checkpoint and early-stopping monitors read.
+        """
+        if not self._is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _common_state(self) -> dict[str, Any]:
+        """The checkpoint keys both callbacks write: the format version, the history, the triggers' baselines."""
+        return {
+            "version": 1,
+            "history": [event.to_dict() for event in self.history],
+            "triggers": trigger_states(self.triggers),
+        }
+
+    def _load_common_state(self, state_dict: dict[str, Any], event: Callable[[dict[str, Any]], Any]) -> None:
+        """Read back :meth:`_common_state`'s keys (``event`` builds one history entry) and mark the run resumed."""
+        self.history = [event(e) for e in state_dict.get("history", [])]
+        load_trigger_states(self.triggers, state_dict.get("triggers", []))
+        self._restored = True
+
+    def _say(self, message: str, warn: bool = False) -> None:
+        """A warning (always, once) or, when ``verbose``, a progress line; rank zero only (``retune.messages``)."""
+        if self._is_global_zero:
+            messages.say(message, warn, self.verbose)
 
 
 def print_above_bar(message: str) -> None:
     """Print above a TQDM progress bar instead of through it."""
     messages.print_line(message)
-
-
-def say(message: str, warn: bool, verbose: bool, is_global_zero: bool) -> None:
-    """A warning (a ``RetuneWarning``, whatever ``verbose`` says) or, when verbose, a ``[retune]`` progress
-    line; on rank zero only, each printed once (``retune.messages``: not also logged, which printed twice)."""
-    if not is_global_zero:
-        return
-    if warn:
-        messages.warn(message)
-    elif verbose:
-        messages.progress(message)
 
 
 def report_dir(trainer: Any, out_dir: Path | None) -> Path | None:
@@ -74,4 +159,4 @@ def load_trigger_states(triggers: Sequence[Trigger], saved: Sequence[dict[str, A
             trigger.load_state_dict(state)
 
 
-__all__ = ["RetuneCallback", "load_trigger_states", "print_above_bar", "report_dir", "say", "trigger_states"]
+__all__ = ["RetuneCallback", "load_trigger_states", "print_above_bar", "report_dir", "trigger_states"]

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from retune import compat, messages
-from retune.callbacks.base import RetuneCallback, load_trigger_states, print_above_bar, report_dir, say, trigger_states
+from retune import compat
+from retune.callbacks.base import RetuneCallback
 from retune.callbacks.ordering import move_retune_last
 from retune.callbacks.trainer_view import group_infos, training_view
 from retune.errors import RetuneError
@@ -26,8 +26,8 @@ from retune.lr.events import LRFindEvent
 from retune.lr.probe import run_range_test
 from retune.lr.range_test import GroupInfo, RangeTest, new_groups, select_groups, suggest, sweep_lrs
 from retune.reports import lr as lr_report
-from retune.schedule.loading import ScheduleSource, load_schedule
-from retune.schedule.triggers import Firing, Trigger, build_triggers, evaluate
+from retune.schedule.loading import ScheduleSource
+from retune.schedule.triggers import Firing, Trigger, evaluate
 
 
 class ScheduledLRFinder(RetuneCallback):
@@ -63,6 +63,16 @@ class ScheduledLRFinder(RetuneCallback):
     A schedule without an ``lr_find`` section runs with the defaults and says so once. With a
     :class:`~retune.ScheduledBatchSizeFinder` firing at the same epoch start, the
     batch size is searched first and the range test runs at the new size, whatever the callback order.
+
+    Logged metrics (every logger's ``log_metrics``, at the step the test ran, rank zero's values):
+
+    ============================  =================================  =========================================
+    key                           when                               value
+    ============================  =================================  =========================================
+    ``retune/lr_find_seconds``    every range test                   how long the test took
+    ``retune/lr_find_steps``      every range test                   steps it ran (fewer when it stopped early)
+    ``retune/lr_group<i>``        a test that made a suggestion      the rate set on param group *i*
+    ============================  =================================  =========================================
     """
 
     _retune_rank = 2  # after every other callback and after ScheduledBatchSizeFinder (retune.callbacks.ordering)
@@ -75,18 +85,10 @@ class ScheduledLRFinder(RetuneCallback):
         out_dir: str | Path | None = None,
         write_report: bool = True,
     ) -> None:
-        self.schedule = load_schedule(schedule)
-        self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
-        self.verbose = verbose
-        self.out_dir = None if out_dir is None else Path(out_dir)
-        self.write_report = write_report
+        super().__init__(schedule, triggers, verbose, out_dir, write_report)
         self.report_paths: lr_report.LROutputPaths | None = None
         self.history: list[LRFindEvent] = []
         self._groups_seen: list[GroupInfo] | None = None
-        self._fit_starting = False
-        self._restored = False
-        self._disabled = False
-        self._is_global_zero = True
         self._defaults_said = False
 
     @property
@@ -100,13 +102,7 @@ class ScheduledLRFinder(RetuneCallback):
     # -- Lightning hooks -----------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
-        messages.set_rank(int(getattr(trainer, "global_rank", 0)))
-        self._disabled = bool(trainer.fast_dev_run)
-        if self._disabled:
-            self._say("fast_dev_run is on: skipping every learning-rate range test in this run", warn=True)
-            return
-        if stage != "fit":
+        if self._start_setup(trainer, "learning-rate range test") or stage != "fit":
             return
         if int(getattr(trainer, "world_size", 1)) > 1 and not compat.is_ddp(trainer):
             raise RetuneError(
@@ -146,33 +142,17 @@ class ScheduledLRFinder(RetuneCallback):
         if firing is not None:
             self._range_test(trainer, pl_module, firing, new, fit_starting)
 
-    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
-        """Print the table of range tests and write lr_history.json, lr_history.csv and lr_find.png."""
-        if self._disabled or not self.history or not self._is_global_zero:
-            return
-        if self.verbose:
-            print_above_bar(lr_report.format_table(self.history))
-        out = report_dir(trainer, self.out_dir)
-        if not self.write_report or out is None:
-            return
-        self.report_paths = lr_report.write_outputs(self.history, out)
-        self._say(f"learning-rate history, CSV and plot in {out}")
-
     def state_dict(self) -> dict[str, Any]:
         seen = self._groups_seen
         return {
-            "version": 1,
-            "history": [event.to_dict() for event in self.history],
-            "triggers": trigger_states(self.triggers),
+            **self._common_state(),
             "groups_seen": None if seen is None else [[sorted(g.params), sorted(g.trainable)] for g in seen],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.history = [LRFindEvent.from_dict(e) for e in state_dict.get("history", [])]
-        load_trigger_states(self.triggers, state_dict.get("triggers", []))
+        self._load_common_state(state_dict, LRFindEvent.from_dict)
         seen = state_dict.get("groups_seen")
         self._groups_seen = None if seen is None else [GroupInfo(frozenset(p), frozenset(t)) for p, t in seen]
-        self._restored = True
 
     # -- the range test ------------------------------------------------------------------------
 
@@ -252,13 +232,14 @@ class ScheduledLRFinder(RetuneCallback):
         )
         self.history.append(event)
         self._say(lr_report.format_summary(event))
-        if self._is_global_zero:
-            metrics = lr_report.event_metrics(event)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+        self._log_metrics(trainer, lr_report.event_metrics(event))
 
-    def _say(self, message: str, warn: bool = False) -> None:
-        say(message, warn, self.verbose, self._is_global_zero)
+    def _table(self) -> str:
+        return lr_report.format_table(self.history)
+
+    def _write_files(self, trainer: Any, out: Path) -> tuple[lr_report.LROutputPaths, str]:
+        """lr_history.json, lr_history.csv and lr_find.png."""
+        return lr_report.write_outputs(self.history, out), "learning-rate history, CSV and plot"
 
 
 __all__ = ["ScheduledLRFinder"]

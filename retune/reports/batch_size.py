@@ -16,16 +16,16 @@ never pay for that import and never touch a user's interactive backend.
 
 from __future__ import annotations
 
-import csv
 import json
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from retune import messages
 from retune.events import RetuneEvent
+from retune.reports.files import PathLike, write_csv_rows, write_json_events
 
 FORMAT_VERSION = 1
 JSON_NAME = "history.json"
@@ -66,8 +66,6 @@ CSV_FIELDS = (
 
 StepSeries = Sequence[tuple[int, int]]
 """``(global_step, value)`` pairs in step order: a batch size, or a number of bytes."""
-
-PathLike = Union[str, Path]
 
 
 @dataclass(frozen=True)
@@ -143,18 +141,7 @@ def write_json(path: PathLike, history: History) -> Path:
     One event, and each per-step series, per line: a history stays readable in a diff or a pager
     without one line per trial field.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = history.to_dict()
-    lines = []
-    for key, value in data.items():
-        if key == "events" and value:
-            inner = ",\n".join(f"    {json.dumps(event)}" for event in value)
-            lines.append(f'  "events": [\n{inner}\n  ]')
-        else:
-            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}")
-    path.write_text("{\n" + ",\n".join(lines) + "\n}\n", encoding="utf-8")
-    return path
+    return write_json_events(path, history.to_dict())
 
 
 def read_history(path: PathLike) -> History:
@@ -171,47 +158,41 @@ def write_csv(path: PathLike, events: Sequence[RetuneEvent]) -> Path:
     ``trial_sizes`` lists the probes in order as ``size:fit`` or ``size:fail``; ``peak_bytes`` is the
     measured peak of the size chosen (blank when not measured). Blank cells mean None.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for e in events:
-            writer.writerow(
-                {
-                    "epoch": e.epoch,
-                    "global_step": e.global_step,
-                    "trigger": e.trigger,
-                    "stage": e.stage,
-                    "direction": e.direction,
-                    "batch_size_before": e.batch_size_before,
-                    "batch_size_after": e.batch_size_after,
-                    "trials": len(e.trials),
-                    "duration_s": f"{e.duration_s:.4f}",
-                    "max_fitting": _blank(e.max_fitting),
-                    "min_failing": _blank(e.min_failing),
-                    "trial_sizes": " ".join(f"{t.batch_size}:{'fit' if t.fits else 'fail'}" for t in e.trials),
-                    "peak_bytes": _blank(chosen_peak(e)),
-                    "budget_bytes": _blank(getattr(e, "budget_bytes", None)),
-                    "mode": getattr(e, "mode", ""),
-                    "objective": e.objective,
-                    "largest": _blank(e.largest),
-                    "samples_per_s": _rate_cell(chosen_rate(e)),
-                    "trial_samples_per_s": " ".join(
-                        f"{t.batch_size}:{_rate_cell(r) or '-'}"
-                        for t, r in zip(e.trials, trial_rates_of(e), strict=True)
-                    )
-                    if e.samples_per_s
-                    else "",
-                    "bucket_sizes": _slashed(e.bucket_sizes),
-                    "bucket_bounds": _slashed(e.bucket_bounds),
-                    "samples_per_step": f"{e.samples_per_step:g}" if e.bucket_sizes else "",
-                    "bucket_largest": _slashed(e.bucket_largest),
-                    "reference_bucket": _blank(e.reference_bucket),
-                    "padded_per_step": _blank(e.padded_per_step),
-                }
-            )
-    return path
+    return write_csv_rows(path, CSV_FIELDS, (_csv_row(e) for e in events))
+
+
+def _csv_row(e: RetuneEvent) -> dict[str, Any]:
+    return {
+        "epoch": e.epoch,
+        "global_step": e.global_step,
+        "trigger": e.trigger,
+        "stage": e.stage,
+        "direction": e.direction,
+        "batch_size_before": e.batch_size_before,
+        "batch_size_after": e.batch_size_after,
+        "trials": len(e.trials),
+        "duration_s": f"{e.duration_s:.4f}",
+        "max_fitting": _blank(e.max_fitting),
+        "min_failing": _blank(e.min_failing),
+        "trial_sizes": " ".join(f"{t.batch_size}:{'fit' if t.fits else 'fail'}" for t in e.trials),
+        "peak_bytes": _blank(chosen_peak(e)),
+        "budget_bytes": _blank(getattr(e, "budget_bytes", None)),
+        "mode": getattr(e, "mode", ""),
+        "objective": e.objective,
+        "largest": _blank(e.largest),
+        "samples_per_s": _rate_cell(chosen_rate(e)),
+        "trial_samples_per_s": " ".join(
+            f"{t.batch_size}:{_rate_cell(r) or '-'}" for t, r in zip(e.trials, trial_rates_of(e), strict=True)
+        )
+        if e.samples_per_s
+        else "",
+        "bucket_sizes": _slashed(e.bucket_sizes),
+        "bucket_bounds": _slashed(e.bucket_bounds),
+        "samples_per_step": f"{e.samples_per_step:g}" if e.bucket_sizes else "",
+        "bucket_largest": _slashed(e.bucket_largest),
+        "reference_bucket": _blank(e.reference_bucket),
+        "padded_per_step": _blank(e.padded_per_step),
+    }
 
 
 def write_outputs(

@@ -8,7 +8,6 @@ can write into one folder. matplotlib is imported only to draw, on the Agg canva
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from collections.abc import Sequence
@@ -18,7 +17,8 @@ from typing import Any
 
 from retune import messages
 from retune.lr.events import LRFindEvent
-from retune.reports.batch_size import PLOT_DPI, PLOT_SIZE_PX, PathLike
+from retune.reports.batch_size import PLOT_DPI, PLOT_SIZE_PX
+from retune.reports.files import PathLike, write_csv_rows, write_json_events
 from retune.schedule.models import LRFindConfig
 
 KIND = "lr_find"
@@ -56,12 +56,7 @@ def is_lr_history(data: Any) -> bool:
 
 def write_json(path: PathLike, events: Sequence[LRFindEvent]) -> Path:
     """One event per line, so that a history stays readable in a pager; read back by :func:`read_lr_history`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    inner = ",\n".join(f"    {json.dumps(e.to_dict())}" for e in events)
-    body = f'{{\n  "kind": "{KIND}",\n  "version": {FORMAT_VERSION},\n  "events": [\n{inner}\n  ]\n}}\n'
-    path.write_text(body, encoding="utf-8")
-    return path
+    return write_json_events(path, {"kind": KIND, "version": FORMAT_VERSION, "events": [e.to_dict() for e in events]})
 
 
 def read_lr_history(path: PathLike) -> list[LRFindEvent]:
@@ -80,29 +75,24 @@ def events_from_json(data: Any) -> list[LRFindEvent]:
 
 def write_csv(path: PathLike, events: Sequence[LRFindEvent]) -> Path:
     """One row per range test; list cells are space-separated, a missing suggestion is blank."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        for e in events:
-            writer.writerow(
-                {
-                    "epoch": e.epoch,
-                    "global_step": e.global_step,
-                    "trigger": e.trigger,
-                    "groups": " ".join(map(str, e.groups)),
-                    "lrs_before": " ".join(f"{v:.6g}" for v in e.lrs_before),
-                    "lr_after": "" if e.lr_after is None else f"{e.lr_after:.6g}",
-                    "method": e.method,
-                    "steps": e.steps,
-                    "steps_planned": e.steps_planned,
-                    "stopped_early": e.stopped_early,
-                    "duration_s": f"{e.duration_s:.4f}",
-                    "batch_size": "" if e.batch_size is None else e.batch_size,
-                }
-            )
-    return path
+    return write_csv_rows(path, CSV_FIELDS, (_csv_row(e) for e in events))
+
+
+def _csv_row(e: LRFindEvent) -> dict[str, Any]:
+    return {
+        "epoch": e.epoch,
+        "global_step": e.global_step,
+        "trigger": e.trigger,
+        "groups": " ".join(map(str, e.groups)),
+        "lrs_before": " ".join(f"{v:.6g}" for v in e.lrs_before),
+        "lr_after": "" if e.lr_after is None else f"{e.lr_after:.6g}",
+        "method": e.method,
+        "steps": e.steps,
+        "steps_planned": e.steps_planned,
+        "stopped_early": e.stopped_early,
+        "duration_s": f"{e.duration_s:.4f}",
+        "batch_size": "" if e.batch_size is None else e.batch_size,
+    }
 
 
 def write_outputs(events: Sequence[LRFindEvent], out_dir: PathLike, plot: bool = True) -> LROutputPaths:

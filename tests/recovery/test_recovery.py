@@ -141,7 +141,7 @@ def test_a_mid_epoch_checkpoint_keeps_the_split(tmp_path: Any) -> None:
     assert saved["oom_max_size"] is not None and saved["oom_max_size"] <= 8
     resumed = ScheduledBatchSizeFinder(OOM, verbose=False)
     resumed.load_state_dict(saved)
-    assert resumed._resumed_split == (saved["oom_max_size"], 1)
+    assert resumed._recovery is not None and resumed._recovery.resumed_split == (saved["oom_max_size"], 1)
     if LEGACY:
         return  # pytorch-lightning 1.9 loads checkpoints with torch.load's weights_only default: torch 2.6+ refuses
     # resumed mid-epoch, the epoch goes on with the kept split: no whole-batch attempt runs out of memory first

@@ -48,7 +48,7 @@ def test_the_callback_refuses_a_loss_items_argument_nothing_would_use() -> None:
     finder = ScheduledBatchSizeFinder(
         {"triggers": [{"kind": "oom", "loss_reduction": "token_mean"}]}, verbose=False, loss_items=count
     )
-    assert finder._items_fn is count
+    assert finder._recovery is not None and finder._recovery.items_fn is count
 
 
 def test_validate_imports_a_module_beside_the_schedule_from_the_console_script(tmp_path: Path) -> None:

@@ -1,0 +1,281 @@
+"""The ``oom`` trigger's step recovery wired into a fit: what ``ScheduledBatchSizeFinder`` owns for it.
+
+The mechanics (re-running a step in micro-batches, exactly) live in :mod:`retune.recovery.step_recovery`;
+this module is their wiring into Lightning's hooks, kept out of the callback so the callback stays a
+thin layer of hooks: :class:`OomRecovery` installs the train recovery in Lightning's closure (with
+gradient sync under DDP), wraps each evaluation step for one loop run, keeps the split an epoch
+trains with across a checkpoint, notes why an out-of-memory error it did not see was not recovered,
+and turns each recovered step into a :class:`~retune.events.RetuneEvent` the callback records.
+:func:`resolve_loss_items` checks the ``token_mean`` counting function when the callback is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from retune import compat
+from retune.buckets.train_buckets import TrainBuckets
+from retune.compat.closure_runner import install_closure_runner
+from retune.distributed.grad_sync import SyncedSteps
+from retune.errors import FieldProblem, RetuneError, ScheduleError
+from retune.events import RetuneEvent
+from retune.messages import Say
+from retune.oom import is_oom_error
+from retune.recovery.loss_items import ItemsFn, resolve_items_fn
+from retune.recovery.oom_sites import add_note, oom_site, why_not_recovered
+from retune.recovery.split import SplitFn, join_detached
+from retune.recovery.step_recovery import EvalStepRecovery, Recovered, TrainStepRecovery
+from retune.schedule.models import RetuneSchedule
+from retune.schedule.triggers import OutOfMemory
+
+AttrName = Callable[[Any, Any, str], str]
+"""``attr(trainer, pl_module, stage)``: the batch-size attribute a stage reads."""
+Record = Callable[..., None]
+"""``record(trainer, event, warn=True)``: the callback keeps, prints (as a warning) and logs an event."""
+
+
+class OomRecovery:
+    """The ``oom`` trigger's recovery across one callback's fits (built only when the schedule has the trigger).
+
+    ``say``, ``attr`` and ``record`` are the owning callback's bound methods (no lambdas: ``ddp_spawn``
+    pickles the callback, and this object with it).
+    """
+
+    def __init__(
+        self,
+        trigger: OutOfMemory,
+        *,
+        split_batch: SplitFn | None,
+        items_fn: ItemsFn | None,
+        buckets: TrainBuckets | None,
+        say: Say,
+        attr: AttrName,
+        record: Record,
+    ) -> None:
+        self.trigger = trigger
+        self.split_batch = split_batch
+        self.items_fn = items_fn
+        self.buckets = buckets
+        self._say = say
+        self._attr = attr
+        self._record = record
+        self.train: TrainStepRecovery | None = None
+        self.eval: EvalStepRecovery | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._eval_undo: Callable[[], None] | None = None
+        self.resumed_split: tuple[int | None, int] = (None, 1)
+        """``(max_size, pieces)`` a checkpoint carried, handed to the next train recovery (then reset)."""
+        self.resumed_splits: dict[Any, tuple[int | None, int]] = {}
+        """With buckets, the split each bucket keeps, as a checkpoint carried it."""
+        self._split_resumed = False
+
+    # -- setup checks ---------------------------------------------------------------------------
+
+    @staticmethod
+    def check_strategy(trainer: Any) -> None:
+        """Every stage: evaluation steps are recovered in micro-batches too."""
+        compat.check_oom_trigger(trainer)
+
+    @staticmethod
+    def check_fit(pl_module: Any) -> None:
+        if not pl_module.automatic_optimization:
+            raise RetuneError(
+                "the `oom` trigger recovers a training step by re-running it in micro-batches inside Lightning's "
+                "closure, which manual optimization does not use; remove `oom` from the schedule's triggers, or "
+                "catch torch.OutOfMemoryError in your training_step (retune.recovery.split.split_batch splits a batch)"
+            )
+
+    # -- training -------------------------------------------------------------------------------
+
+    def start_train(self, trainer: Any, pl_module: Any) -> None:
+        """Install the train step's recovery in Lightning's closure (``on_train_start``)."""
+        reduction = self.trigger.loss_reduction
+        recovery = TrainStepRecovery(
+            lambda: list(pl_module.parameters()),
+            split_fn=self.split_batch,
+            loss_reduction="sum" if reduction == "sum" else "token_mean" if reduction == "token_mean" else "mean",
+            on_recovered=lambda done: self.recovered(trainer, pl_module, "train", done),
+            items_fn=self.items_fn,
+            module=pl_module,
+            warn=lambda message: self._say(message, warn=True),
+            split_key=None if self.buckets is None else lambda: self._bucket_now(trainer),
+        )
+        (recovery.max_size, recovery.pieces), self.resumed_split = self.resumed_split, (None, 1)
+        recovery.splits, self.resumed_splits = self.resumed_splits, {}
+        self._split_resumed = recovery.max_size is not None or recovery.pieces > 1 or bool(recovery.splits)
+        self.train = recovery
+        run: Callable[[Any], Any] = recovery.run
+        if compat.is_distributed(trainer):
+            ddp = compat.ddp_wrapper(trainer)
+            if ddp is None:
+                raise RetuneError(
+                    f"the `oom` trigger under {type(trainer.strategy).__name__} needs a DDP-wrapped model"
+                )
+            synced = SyncedSteps(
+                ddp,
+                recovery.run,
+                accumulating=lambda: compat.batch_is_accumulating(trainer),
+                params=lambda: list(pl_module.parameters()),
+                buffers=lambda: list(pl_module.buffers()),
+            )
+            run = synced.run
+            self._undo.append(synced.close)
+        self._undo += [install_closure_runner(trainer, run, join_detached), recovery.close]
+
+    def share_failures(self, trainer: Any) -> None:
+        """At an epoch start under DDP: a rank that ran out of memory tells the others, so rank zero's
+        trigger decision (and each bucket's next search) includes it."""
+        if not compat.is_distributed(trainer):
+            return
+        failures = {} if self.buckets is None else self.buckets.failures
+        gathered = compat.all_gather_object(trainer, (self.trigger.consume(), failures))
+        for known, _ in gathered:
+            if known is not None:
+                self.trigger.record(failed_size=known[1], fitting_size=known[0])
+        if self.buckets is not None:
+            self.buckets.merge_failures([bucket_failures for _, bucket_failures in gathered])
+
+    def new_epoch(self) -> None:
+        """Each epoch starts whole, at the size the search picks now; a run resumed mid-epoch keeps its split."""
+        if self.train is not None:
+            self.train.new_epoch(keep_split=self._split_resumed)
+            self._split_resumed = False
+
+    def _bucket_now(self, trainer: Any) -> int | None:
+        """The bucket of the batch being trained (None: not bucketed): the key of the split it keeps."""
+        return None if self.buckets is None else self.buckets.bucket_now(trainer)
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    def guard_eval(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Recover an evaluation step that runs out of memory, for this loop run (after its search)."""
+        if self.eval is not None:
+            return
+
+        def wrap(step: Callable[..., Any]) -> Callable[..., Any]:
+            recovery = EvalStepRecovery(
+                step,
+                logging=lambda batch: compat.eval_logging(trainer, batch),
+                save_logs=lambda: compat.save_logged_metrics(trainer),
+                journal_logs=lambda: compat.journal_logged_metrics(trainer),
+                split_fn=self.split_batch,
+                on_recovered=lambda done: self.recovered(trainer, pl_module, stage, done),
+                where=lambda: f"{stage}, epoch {trainer.current_epoch}, global step {trainer.global_step}",
+            )
+            self.eval = recovery
+            return recovery
+
+        self._eval_undo = compat.wrap_eval_step(pl_module, stage, wrap)
+
+    def unguard_eval(self) -> None:
+        if self._eval_undo is not None:
+            self._eval_undo()
+        self._eval_undo = self.eval = None
+
+    # -- the end of a fit -----------------------------------------------------------------------
+
+    def uninstall(self) -> None:
+        """Undo what :meth:`start_train` and :meth:`guard_eval` installed (fit end, or an exception)."""
+        self.unguard_eval()
+        while self._undo:
+            self._undo.pop()()
+        self.train = None
+
+    @staticmethod
+    def note_unrecovered(exception: BaseException) -> None:
+        """An OOM the recovery did not see (a hook before or after the step): say where, and why not."""
+        if is_oom_error(exception):
+            add_note(exception, why_not_recovered(oom_site(exception.__traceback__)))
+
+    # -- a recovered step -----------------------------------------------------------------------
+
+    def recovered(self, trainer: Any, pl_module: Any, stage: str, done: Recovered) -> None:
+        """Record a step that ran out of memory and was trained in micro-batches; the next search starts below it."""
+        name = self._attr(trainer, pl_module, stage)
+        # loaders passed straight to validate/predict have no batch-size attribute: the batch's own size
+        size = compat.get_batch_attr(trainer, pl_module, name) if compat.has_batch_attr(trainer, pl_module, name) else 0
+        samples = done.samples or size
+        size = size or samples
+        largest_piece = done.micro_size or -(-samples // done.pieces)
+        bucket = None
+        if stage == "train":
+            self.trigger.record(failed_size=samples, fitting_size=largest_piece)
+            if self.buckets is not None:
+                bucket = self.buckets.record_failure(trainer, failed=samples, fitting=largest_piece)
+        where = "" if bucket is None else f" (bucket {bucket}, its next search lowers only its size)"
+        event = RetuneEvent(
+            epoch=trainer.current_epoch,
+            global_step=trainer.global_step,
+            trigger="oom",
+            stage=stage,
+            batch_size_before=size,
+            batch_size_after=size,
+            direction="down",
+            micro_batches=done.pieces,
+            note=f"out of memory in {done.failed_in} on a batch of {samples}; trained it as {done.pieces} "
+            f"micro-batches of at most {largest_piece}{where}",
+        )
+        self._record(trainer, event, warn=True)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return split_state(self.train)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The split a checkpointed epoch kept after a recovered OOM: a run resumed mid-epoch need not fail again."""
+        max_size = state_dict.get("oom_max_size")
+        self.resumed_split = (None if max_size is None else int(max_size), int(state_dict.get("oom_pieces", 1)))
+        self.resumed_splits = {
+            None if key is None else int(key): (None if size is None else int(size), int(pieces))
+            for key, size, pieces in state_dict.get("oom_splits") or []  # absent before issue 28
+        }
+
+
+def split_state(train: TrainStepRecovery | None) -> dict[str, Any]:
+    """The checkpoint keys of the split the epoch keeps after a recovered OOM (the defaults without one)."""
+    return {
+        "oom_max_size": None if train is None else train.max_size,
+        "oom_pieces": 1 if train is None else train.pieces,
+        # with buckets, the split each bucket keeps ([bucket or None, max_size, pieces])
+        "oom_splits": [] if train is None else [[key, size, pieces] for key, (size, pieces) in train.splits.items()],
+    }
+
+
+def resolve_loss_items(
+    schedule: RetuneSchedule,
+    source: Any,
+    trigger: OutOfMemory | None,
+    loss_items: str | Callable[[Any], Any] | None,
+) -> ItemsFn | None:
+    """The ``token_mean`` counting function, resolved now so a wrong path fails when the callback is built."""
+    configured = None if trigger is None else trigger.loss_items
+    if loss_items is not None and configured is not None:
+        raise RetuneError(
+            f"loss_items is given twice: as a constructor argument ({loss_items!r}) and as the oom trigger's "
+            f"loss_items ({configured!r}) in the schedule; keep one"
+        )
+    if loss_items is not None and not callable(loss_items) and not isinstance(loss_items, str):
+        raise RetuneError(f"loss_items must be a function fn(batch) -> int or a name, got {loss_items!r}")
+    if loss_items is not None and (trigger is None or trigger.loss_reduction != "token_mean"):
+        # as the schedule refuses it on the trigger: a count nothing would use is a mistake, not a no-op
+        why = (
+            "the schedule has no oom trigger"
+            if trigger is None
+            else (f"the oom trigger's loss_reduction is {trigger.loss_reduction!r}")
+        )
+        raise RetuneError(
+            f"loss_items counts what a token_mean loss averages over, but {why}; set `loss_reduction: "
+            "token_mean` on the oom trigger, or drop the loss_items argument"
+        )
+    try:
+        return resolve_items_fn(loss_items if loss_items is not None else configured)
+    except ValueError as exc:
+        name = str(source) if isinstance(source, (str, Path)) else "<schedule>"
+        index = next((i for i, t in enumerate(schedule.triggers) if t.kind == "oom"), 0)
+        raise ScheduleError(name, [FieldProblem(f"triggers[{index}].loss_items", str(exc))]) from None
+
+
+__all__ = ["OomRecovery", "resolve_loss_items", "split_state"]
