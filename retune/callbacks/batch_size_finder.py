@@ -16,7 +16,7 @@ from typing import Any
 
 from retune import compat, messages
 from retune.allocator import EXPANDABLE_ADVICE, expandable_segments, stats_for
-from retune.buckets.train_buckets import BucketState, TrainBuckets
+from retune.buckets.train_buckets import BucketState, DataChange, TrainBuckets
 from retune.callbacks.base import RetuneCallback, load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.callbacks.ordering import move_retune_last
 from retune.callbacks.trainer_view import training_view
@@ -120,7 +120,6 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         self._eval_undo: Callable[[], None] | None = None  # no lambda: ddp_spawn pickles the callback
         self._resumed_split: tuple[int | None, int] = (None, 1)
         self._resumed_splits: dict[Any, tuple[int | None, int]] = {}
-        self._split_resumed = False
         self.verbose = verbose
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.write_report = write_report
@@ -218,10 +217,14 @@ class ScheduledBatchSizeFinder(RetuneCallback):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._disabled:
             return
+        if compat.resumed_batches(trainer):
+            # Lightning 1.9 runs this hook again when a fit resumes mid-epoch (2.x does not): the epoch's searches
+            # ran before the checkpoint, and its plan (buckets: continued from the next batch) and splits go on
+            return
         if self._train_recovery is not None:
-            # each epoch starts whole, at the size the search picks now; a run resumed mid-epoch keeps its split
-            self._train_recovery.new_epoch(keep_split=self._split_resumed)
-            self._split_resumed = False
+            # each epoch starts whole, at the size the search picks now (a run resumed mid-epoch keeps its split
+            # until the next epoch start: this hook does not run for the resumed epoch)
+            self._train_recovery.new_epoch()
         if self._oom is not None and compat.is_distributed(trainer):
             # a rank that ran out of memory tells the others, so rank zero's trigger decision includes it
             failures = {} if self._buckets is None else self._buckets.failures
@@ -231,16 +234,21 @@ class ScheduledBatchSizeFinder(RetuneCallback):
                     self._oom.record(failed_size=known[1], fitting_size=known[0])
             if self._buckets is not None:
                 self._buckets.merge_failures([bucket_failures for _, bucket_failures in gathered])
-        view = self._view(trainer, pl_module)
-        self._fit_starting = False
-        # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
-        firing = compat.broadcast_object(trainer, evaluate(self.triggers, view))
-        if firing is not None:
-            cold = "fit_start" in firing.kinds
-            if "train" in self.schedule.stages:
-                self._search(trainer, pl_module, "train", firing.label, firing.direction, cold)
-            if "val" in self.schedule.stages and self._separate_val(trainer, pl_module):
-                self._search(trainer, pl_module, "val", firing.label, "unknown", cold)
+        with self.probe_batches.cache.checking_once():  # the data is checked once, whatever searches follow
+            change = self._data_change(trainer)
+            view = self._view(trainer, pl_module)
+            self._fit_starting = False
+            # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
+            firing = compat.broadcast_object(trainer, evaluate(self.triggers, view))
+            if firing is not None:
+                cold = "fit_start" in firing.kinds
+                label = firing.label if change is None else f"{firing.label}+data_changed"
+                if "train" in self.schedule.stages:
+                    self._search(trainer, pl_module, "train", label, firing.direction, cold)
+                if "val" in self.schedule.stages and self._separate_val(trainer, pl_module):
+                    self._search(trainer, pl_module, "val", firing.label, "unknown", cold)
+            elif change is not None:
+                self._follow_data(trainer, pl_module, change)
         if self._oom is not None:
             self._oom.consume()  # used by the train search above, or of no use (train is not tuned)
         if self._policies.accumulate is not None:
@@ -262,7 +270,6 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         )
         (recovery.max_size, recovery.pieces), self._resumed_split = self._resumed_split, (None, 1)
         recovery.splits, self._resumed_splits = self._resumed_splits, {}
-        self._split_resumed = recovery.max_size is not None or recovery.pieces > 1 or bool(recovery.splits)
         self._train_recovery = recovery
         run: Callable[[Any], Any] = recovery.run
         if compat.is_distributed(trainer):
@@ -410,6 +417,30 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             self._undo.pop()()
         self._train_recovery = None
 
+    def _data_change(self, trainer: Any) -> DataChange | None:
+        """With buckets, whether the train samples' sizes changed since they were grouped (the same dataset
+        changed in place, or a reloaded one): rank zero's answer, on every rank."""
+        local = None
+        if self._buckets is not None and "train" in self.schedule.stages:
+            local = self._buckets.data_change(self._say)
+        search = compat.broadcast_object(trainer, None if local is None else local.search)
+        if search is None or local is None:
+            return None
+        return local if local.search == search else DataChange(local.buckets, search, local.largest_before)
+
+    def _follow_data(self, trainer: Any, pl_module: Any, change: DataChange) -> None:
+        """Train the changed data within the memory found: its buckets' sizes searched again when a bucket's
+        samples got longer (an event with trigger ``data_changed``), else the same sizes on the new groups."""
+        assert self._buckets is not None
+        where = f"epoch {trainer.current_epoch}"
+        if change.search:
+            self._say(f"{where}: the train samples' sizes changed ({change.describe()}): searching the buckets again")
+            self._search(trainer, pl_module, "train", "data_changed", "unknown", cold=False)
+            return
+        self._say(f"{where}: the train samples' sizes changed ({change.describe()}); the bucket sizes still fit")
+        self._buckets.regroup(change)
+        compat.reload_dataloader(trainer, "train")
+
     def _buckets_now(self, trainer: Any) -> int | None:
         """The bucket of the batch being trained (None: not bucketed): the key of the split it keeps."""
         return None if self._buckets is None else self._buckets.bucket_now(trainer)
@@ -455,7 +486,24 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         name = self._attr(trainer, pl_module, stage)
         known = self._oom.consume() if self._oom is not None and stage == "train" and "oom" in label else None
         self._trial_no = 0
-        event, where = search_stage(
+        with self.probe_batches.cache.checking_once():  # a dataset is fingerprinted once, not at every trial
+            event, where = self._search_stage(trainer, pl_module, stage, name, label, direction, cold, known)
+        self.history.append(event)
+        self._say(report.format_summary(event, where))
+        self._log_event(trainer, event)
+
+    def _search_stage(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        stage: str,
+        name: str,
+        label: str,
+        direction: Direction,
+        cold: bool,
+        known: tuple[int, int] | None,
+    ) -> tuple[RetuneEvent, str]:
+        return search_stage(
             trainer,
             pl_module,
             schedule=self.schedule,
@@ -474,9 +522,6 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             clock=self.clock,
             buckets=self._buckets if stage == "train" else None,
         )
-        self.history.append(event)
-        self._say(report.format_summary(event, where))
-        self._log_event(trainer, event)
 
     # -- helpers -------------------------------------------------------------------------------
 
