@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -153,3 +154,21 @@ def test_samples_that_move_between_buckets_of_searched_sizes_regroup_without_a_s
     assert sorted(seen) == list(range(N)) and set(seen.values()) == {1}
     longest = next(b for b in per_epoch.epoch(1) if 0 in b)
     assert len(longest) <= finder.bucket_sizes[-1]
+
+
+def test_a_resumed_run_whose_data_outgrew_the_checkpoints_buckets_searches_them_again(tmp_path: Path) -> None:
+    seed(0)
+    lengths = long_tail_lengths(N, tail=0.05)
+    model = BucketModel(Curriculum(lengths, max_len=64))
+    finder = _finder()
+    trainer = bucket_data.trainer([finder], epochs=1)
+    trainer.fit(model)
+    path = tmp_path / "end.ckpt"
+    trainer.save_checkpoint(path)
+    seed(0)
+    resumed = BucketModel(Curriculum(lengths, max_len=256))  # the next stage of the curriculum, a new process
+    again, peaks = _finder(), StepPeaks()
+    bucket_data.trainer([peaks, again], epochs=2).fit(resumed, ckpt_path=str(path))
+    assert [(e.epoch, e.trigger) for e in again.history] == [(0, "fit_start"), (1, "data_changed")]
+    assert max(again.history[1].bucket_bounds) > 200
+    assert max(peaks.peaks) <= BUDGET

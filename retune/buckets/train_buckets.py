@@ -514,9 +514,11 @@ class TrainBuckets:
         cache = self.probe_batches.cache
         scans = cache.scans
         grouped = self.prepare(loader, say)
-        if cache.scans == scans or grouped is None:
-            return None  # the fingerprint matched (no scan ran): the sizes and the plan are the ones in force
         before = self.buckets
+        # a checkpoint's bounds on data that outgrew them (restore() puts longer samples in the last bucket)
+        outgrown = any(top > bound for top, bound in zip(before.largest, before.bounds, strict=True))
+        if grouped is None or (cache.scans == scans and not outgrown):
+            return None  # the fingerprint matched (no scan ran): the sizes and the plan are the ones in force
         if grouped.bounds == before.bounds and grouped.members == before.members:
             return None
         # a sample only ever moves to a bucket whose sizes were searched for samples as long: sizes still fit
