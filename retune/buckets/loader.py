@@ -30,7 +30,9 @@ class BucketBatchSampler(Sampler[list[int]]):
     """Yields this rank's batches of an epoch: each bucket at its own size, shuffled across buckets.
 
     The plan is a pure function of ``(seed, epoch)`` (:func:`retune.buckets.plan.epoch_batches`), so a
-    resumed or re-created sampler yields the same batches, and every rank agrees on them.
+    resumed or re-created sampler yields the same batches, and every rank agrees on them. ``start``
+    continues epoch ``epoch``'s plan from its batch ``start`` (a fit restored mid-epoch: Lightning
+    restarts the loader while ``batch_idx`` continues), for the first pass over that epoch only.
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         world_size: int = 1,
         rank: int = 0,
+        start: int = 0,
     ) -> None:
         self.buckets = buckets
         self.batch_sizes = list(batch_sizes)
@@ -56,6 +59,7 @@ class BucketBatchSampler(Sampler[list[int]]):
         self.sampler = _RankOrder(self)
         self._plan: list[PlannedBatch] | None = None
         self._plan_epoch: int | None = None
+        self._resume: tuple[int, int] | None = (epoch, start) if start > 0 else None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -83,7 +87,11 @@ class BucketBatchSampler(Sampler[list[int]]):
         return plan[batch_idx].bucket if 0 <= batch_idx < len(plan) else None
 
     def __iter__(self) -> Iterator[list[int]]:
-        for batch in self.plan:
+        plan, start = self.plan, 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            start = self._resume[1]
+        self._resume = None  # the epoch's next pass (a later epoch, a reload) starts from its first batch
+        for batch in plan[start:]:
             yield list(batch.indices)
 
     def __len__(self) -> int:

@@ -147,6 +147,8 @@ class TrainBuckets:
         self._trainer: Any = None
         self._world_size = 1
         self._rank = 0
+        self._source: Any = None
+        """The loader ``train_dataloader()`` last returned to Lightning (what :meth:`data_change` checks)."""
 
     @property
     def failures(self) -> dict[int, tuple[int, int]]:
@@ -169,11 +171,13 @@ class TrainBuckets:
         self.hook.uninstall()
         self._trainer = None
         self.sampler = None
+        self._source = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_trainer"] = None  # ddp_spawn pickles the callback
         state["sampler"] = None
+        state["_source"] = None
         return state
 
     @property
@@ -280,10 +284,14 @@ class TrainBuckets:
     def _convert(self, loader: Any) -> Any:
         """What Lightning trains on: the user's loader with the buckets' batch sampler, when sizes are known."""
         buckets, sizes = self.buckets, self.state.sizes
+        self._source = loader if isinstance(loader, DataLoader) else None
         if buckets is None or not sizes or len(sizes) != buckets.count or self.why_not(loader) is not None:
             self.sampler = None
             return loader
         assert isinstance(loader, DataLoader)
+        if not _indices_fit(buckets, loader.dataset):
+            self.sampler = None  # a rebuilt, shorter dataset: the epoch start regroups it (data_change)
+            return loader
         trainer = self._trainer
         epoch = int(trainer.current_epoch) if trainer is not None else 0
         seed = self.state.seed if self.state.seed is not None else loader_seed(loader)
@@ -296,6 +304,7 @@ class TrainBuckets:
             drop_last=bool(loader.drop_last),
             world_size=self._world_size,
             rank=self._rank,
+            start=compat.resumed_batches(trainer) if trainer is not None else 0,  # mid-epoch resume: continue
         )
         self.sampler = sampler
         return _with_batch_sampler(loader, sampler)
@@ -489,9 +498,69 @@ class TrainBuckets:
         world, drop_last = (sampler.world_size, sampler.drop_last) if sampler is not None else (self._world_size, False)
         return mean_batch(self.buckets, self.state.sizes, drop_last, world)
 
+    # -- the data changed --------------------------------------------------------------------------
+
+    def data_change(self, say: Any) -> DataChange | None:
+        """Whether the train samples' sizes changed since the buckets were grouped, and what that asks for.
+
+        Checks the dataset of the loader Lightning trains on now (the same object changed in place, or a
+        new one the hook built) by its fingerprint (:class:`~retune.probing.sample_sizes.Fingerprint`);
+        a changed fingerprint rescans it and regroups the samples. None when nothing changed, or when
+        the loader is not bucketed now (the next search groups it anyway).
+        """
+        loader = self._source
+        if loader is None or self.buckets is None or not self.state.sizes or self.why_not(loader) is not None:
+            return None
+        cache = self.probe_batches.cache
+        scans = cache.scans
+        grouped = self.prepare(loader, say)
+        before = self.buckets
+        # a checkpoint's bounds on data that outgrew them (restore() puts longer samples in the last bucket)
+        outgrown = any(top > bound for top, bound in zip(before.largest, before.bounds, strict=True))
+        if grouped is None or (cache.scans == scans and not outgrown):
+            return None  # the fingerprint matched (no scan ran): the sizes and the plan are the ones in force
+        if grouped.bounds == before.bounds and grouped.members == before.members:
+            return None
+        # a sample only ever moves to a bucket whose sizes were searched for samples as long: sizes still fit
+        fits = grouped.bounds == before.bounds and all(
+            new <= old for new, old in zip(grouped.largest, before.largest, strict=True)
+        )
+        return DataChange(grouped, search=not fits, largest_before=before.largest)
+
+    def regroup(self, change: DataChange) -> None:
+        """Train the regrouped samples at the sizes in force (a change that needs no search); the caller
+        reloads the train loader."""
+        self.buckets = change.buckets
+
+
+@dataclass(frozen=True)
+class DataChange:
+    """The train samples' sizes changed since their buckets were grouped (:meth:`TrainBuckets.data_change`)."""
+
+    buckets: Buckets
+    """The samples grouped anew from the rescan."""
+    search: bool
+    """The buckets' sizes must be searched again: a bucket's samples got longer (or the buckets moved)."""
+    largest_before: tuple[int, ...]
+
+    def describe(self) -> str:
+        """``longest 64 -> 128``: each bucket's longest sample before and after, for the log."""
+        before = ", ".join(str(s) for s in self.largest_before)
+        after = ", ".join(str(s) for s in self.buckets.largest)
+        return f"the buckets' longest samples {before} -> {after}"
+
+
+def _indices_fit(buckets: Buckets, dataset: Any) -> bool:
+    """Whether every index the buckets hold exists in ``dataset`` (a rebuilt dataset may be shorter)."""
+    try:
+        length = len(dataset)
+    except TypeError:
+        return True
+    return all(not members or max(members) < length for members in buckets.members)
+
 
 def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-__all__ = ["BucketOutcome", "BucketState", "TrainBuckets", "sampler_that_chooses"]
+__all__ = ["BucketOutcome", "BucketState", "DataChange", "TrainBuckets", "sampler_that_chooses"]

@@ -17,7 +17,7 @@ from typing import Any
 from retune import compat
 from retune.allocator import EXPANDABLE_ADVICE, expandable_segments, stats_for
 from retune.buckets.batching import BucketBatching
-from retune.buckets.train_buckets import BucketState, TrainBuckets
+from retune.buckets.train_buckets import BucketState, DataChange, TrainBuckets
 from retune.callbacks.base import RetuneCallback
 from retune.callbacks.oom_recovery import OomRecovery, resolve_loss_items, split_state
 from retune.callbacks.ordering import move_retune_last
@@ -192,19 +192,28 @@ class ScheduledBatchSizeFinder(RetuneCallback):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._disabled:
             return
+        if compat.resumed_batches(trainer):
+            # Lightning 1.9 runs this hook again when a fit resumes mid-epoch (2.x does not): the epoch's searches
+            # ran before the checkpoint, and its plan (buckets: continued from the next batch) and splits go on
+            return
         if self._recovery is not None:
             self._recovery.new_epoch()
             self._recovery.share_failures(trainer)
-        view = training_view(trainer, pl_module, self._fit_starting)
-        self._fit_starting = False
-        # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
-        firing = compat.broadcast_object(trainer, evaluate(self.triggers, view))
-        if firing is not None:
-            cold = "fit_start" in firing.kinds
-            if "train" in self.schedule.stages:
-                self._search(trainer, pl_module, "train", firing.label, firing.direction, cold)
-            if "val" in self.schedule.stages and self._attrs.separate_val(trainer, pl_module):
-                self._search(trainer, pl_module, "val", firing.label, "unknown", cold)
+        with self.probe_batches.cache.checking_once():  # the data is checked once, whatever searches follow
+            change = self._data_change(trainer)
+            view = training_view(trainer, pl_module, self._fit_starting)
+            self._fit_starting = False
+            # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
+            firing = compat.broadcast_object(trainer, evaluate(self.triggers, view))
+            if firing is not None:
+                cold = "fit_start" in firing.kinds
+                label = firing.label if change is None else f"{firing.label}+data_changed"
+                if "train" in self.schedule.stages:
+                    self._search(trainer, pl_module, "train", label, firing.direction, cold)
+                if "val" in self.schedule.stages and self._attrs.separate_val(trainer, pl_module):
+                    self._search(trainer, pl_module, "val", firing.label, "unknown", cold)
+            elif change is not None:
+                self._follow_data(trainer, pl_module, change)
         if self._recovery is not None:
             self._recovery.trigger.consume()  # used by the train search above, or of no use (train is not tuned)
         if self._policies.accumulate is not None:
@@ -279,6 +288,30 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         if self._recovery is not None:
             self._recovery.uninstall()
 
+    def _data_change(self, trainer: Any) -> DataChange | None:
+        """With buckets, whether the train samples' sizes changed since they were grouped (the same dataset
+        changed in place, or a reloaded one): rank zero's answer, on every rank."""
+        local = None
+        if self._buckets is not None and "train" in self.schedule.stages:
+            local = self._buckets.data_change(self._say)
+        search = compat.broadcast_object(trainer, None if local is None else local.search)
+        if search is None or local is None:
+            return None
+        return local if local.search == search else DataChange(local.buckets, search, local.largest_before)
+
+    def _follow_data(self, trainer: Any, pl_module: Any, change: DataChange) -> None:
+        """Train the changed data within the memory found: its buckets' sizes searched again when a bucket's
+        samples got longer (an event with trigger ``data_changed``), else the same sizes on the new groups."""
+        assert self._buckets is not None
+        where = f"epoch {trainer.current_epoch}"
+        if change.search:
+            self._say(f"{where}: the train samples' sizes changed ({change.describe()}): searching the buckets again")
+            self._search(trainer, pl_module, "train", "data_changed", "unknown", cold=False)
+            return
+        self._say(f"{where}: the train samples' sizes changed ({change.describe()}); the bucket sizes still fit")
+        self._buckets.regroup(change)
+        compat.reload_dataloader(trainer, "train")
+
     # -- the search ----------------------------------------------------------------------------
 
     def _eval_start(self, trainer: Any, pl_module: Any, stage: str, label: str) -> None:
@@ -291,25 +324,26 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         oom = None if self._recovery is None else self._recovery.trigger
         known = oom.consume() if oom is not None and stage == "train" and "oom" in label else None
         self._trial_no = 0
-        event, where = search_stage(
-            trainer,
-            pl_module,
-            schedule=self.schedule,
-            stage=stage,
-            name=name,
-            label=label,
-            direction=direction,
-            cold=cold,
-            state=self._stage(stage),
-            policies=self._policies,
-            probe_batches=self.probe_batches,
-            known_oom=known,
-            on_trial=self._report_trial,
-            say=self._say,
-            before_plan=lambda loader: self._attrs.warn_duplicate(trainer, pl_module, name, stage, loader),
-            clock=self.clock,
-            batching=BucketBatching(self._buckets) if self._buckets is not None and stage == "train" else None,
-        )
+        with self.probe_batches.cache.checking_once():  # a dataset is fingerprinted once, not at every trial
+            event, where = search_stage(
+                trainer,
+                pl_module,
+                schedule=self.schedule,
+                stage=stage,
+                name=name,
+                label=label,
+                direction=direction,
+                cold=cold,
+                state=self._stage(stage),
+                policies=self._policies,
+                probe_batches=self.probe_batches,
+                known_oom=known,
+                on_trial=self._report_trial,
+                say=self._say,
+                before_plan=lambda loader: self._attrs.warn_duplicate(trainer, pl_module, name, stage, loader),
+                clock=self.clock,
+                batching=BucketBatching(self._buckets) if self._buckets is not None and stage == "train" else None,
+            )
         self._record(trainer, event, where)
 
     # -- helpers -------------------------------------------------------------------------------

@@ -69,7 +69,6 @@ class OomRecovery:
         """``(max_size, pieces)`` a checkpoint carried, handed to the next train recovery (then reset)."""
         self.resumed_splits: dict[Any, tuple[int | None, int]] = {}
         """With buckets, the split each bucket keeps, as a checkpoint carried it."""
-        self._split_resumed = False
 
     # -- setup checks ---------------------------------------------------------------------------
 
@@ -104,7 +103,6 @@ class OomRecovery:
         )
         (recovery.max_size, recovery.pieces), self.resumed_split = self.resumed_split, (None, 1)
         recovery.splits, self.resumed_splits = self.resumed_splits, {}
-        self._split_resumed = recovery.max_size is not None or recovery.pieces > 1 or bool(recovery.splits)
         self.train = recovery
         run: Callable[[Any], Any] = recovery.run
         if compat.is_distributed(trainer):
@@ -138,10 +136,10 @@ class OomRecovery:
             self.buckets.merge_failures([bucket_failures for _, bucket_failures in gathered])
 
     def new_epoch(self) -> None:
-        """Each epoch starts whole, at the size the search picks now; a run resumed mid-epoch keeps its split."""
+        """Each epoch starts whole, at the size the search picks now (a run resumed mid-epoch keeps its split
+        until the next epoch start: the callback does not call this for the resumed epoch)."""
         if self.train is not None:
-            self.train.new_epoch(keep_split=self._split_resumed)
-            self._split_resumed = False
+            self.train.new_epoch()
 
     def _bucket_now(self, trainer: Any) -> int | None:
         """The bucket of the batch being trained (None: not bucketed): the key of the split it keeps."""

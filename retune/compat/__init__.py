@@ -9,7 +9,8 @@ outside this package imports Lightning or reads a private trainer attribute. One
 * :mod:`~retune.compat.data`: the user's dataloader hooks called at a candidate size, loaders rebuilt
   for the epoch that starts, batches moved as the loops move them;
 * :mod:`~retune.compat.combined_loaders`: what a dataloader hook returned, iterated as the loops do;
-* :mod:`~retune.compat.loops`: which loop runs a stage, where a training batch is;
+* :mod:`~retune.compat.loops`: which loop runs a stage, where a training batch is, how many batches a
+  fit restored mid-epoch counts as trained;
 * :mod:`~retune.compat.stage_steps`: one real step of a stage outside the loop (a probe), hooks hidden;
 * :mod:`~retune.compat.closure_runner`: the ``oom`` trigger's closure runner and ``self.log`` interceptor;
 * :mod:`~retune.compat.logs`: where ``self.log`` writes, and where retune's files go;
@@ -53,7 +54,7 @@ from retune.compat.logs import (
     refresh_progress_bar,
     save_logged_metrics,
 )
-from retune.compat.loops import batch_index, batch_is_accumulating, trainer_fn
+from retune.compat.loops import batch_index, batch_is_accumulating, resumed_batches, trainer_fn
 from retune.compat.namespace import callback_base_classes, is_legacy, namespace_of, without_attached
 from retune.compat.stage_steps import hooks_isolated, run_step, training_step, wrap_eval_step
 from retune.compat.state import (
@@ -109,6 +110,7 @@ __all__ = [
     "refresh_progress_bar",
     "reload_dataloader",
     "request_dataloader",
+    "resumed_batches",
     "run_step",
     "save_logged_metrics",
     "set_accumulation",

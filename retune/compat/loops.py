@@ -39,4 +39,37 @@ def batch_index(trainer: Any) -> int:
     return int(trainer.fit_loop.epoch_loop.batch_idx)
 
 
-__all__ = ["automatic_loop", "batch_index", "batch_is_accumulating", "eval_loop", "trainer_fn"]
+def resumed_batches(trainer: Any) -> int:
+    """The batches of the current epoch that a fit restored mid-epoch from a checkpoint counts as trained
+    (the ``batch_idx`` its next batch gets); 0 when the fit did not restart mid-epoch.
+
+    Both lines restart the train loader from its first batch while ``batch_idx`` continues, so a loader
+    whose epoch is a fixed plan skips this many batches to continue where the checkpoint left off. Called
+    where the loop requests its train loader: on 2.x in ``setup_data``, before the epoch loop's
+    ``reset`` turns a checkpoint saved in ``on_train_batch_end`` into one more completed batch (mirrored
+    here: ``_TrainingEpochLoop.update_restart_stage``'s ``RESTARTED_ON_TRAIN_BATCH_END``); on 1.9 in
+    ``on_run_start``, where ``reset_on_restart`` will make ``ready`` the completed count (1.9 trains the
+    batch a checkpoint was saved after once more: its ``completed`` counter does not include it).
+    """
+    loop = trainer.fit_loop
+    if not loop.restarting:
+        return 0
+    batches = loop.epoch_loop.batch_progress
+    if is_legacy(trainer):
+        return int(batches.current.completed)
+    epochs = loop.epoch_progress.total
+    mid_epoch = (  # _FitLoop.update_restart_stage's RESTARTED_MID_EPOCH
+        epochs.started == epochs.ready
+        and epochs.processed == epochs.started - 1
+        and epochs.completed == epochs.processed
+    )
+    if not mid_epoch:
+        return 0
+    total = batches.total
+    on_batch_end = (
+        total.started == total.ready and total.processed == total.started and total.completed == total.processed - 1
+    )
+    return int(batches.current.completed) + int(on_batch_end)
+
+
+__all__ = ["automatic_loop", "batch_index", "batch_is_accumulating", "eval_loop", "resumed_batches", "trainer_fn"]

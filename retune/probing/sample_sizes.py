@@ -8,8 +8,8 @@ module holds the pure part of that:
 * :func:`default_sample_size`: a sample's size, the number of elements it holds;
 * :func:`resolve_size_fn`: a ``sample_size`` override given as a dotted path in a schedule;
 * :func:`scan_sizes` and :class:`SizeCache`: the sizes of a dataset's samples, largest first,
-  computed once per dataset (a search runs again at every trigger) and optionally on a seeded
-  random subset (``search.scan_limit``);
+  computed once per dataset (a search runs again at every trigger) and again when its
+  :class:`Fingerprint` changes, optionally on a seeded random subset (``search.scan_limit``);
 * :func:`size_spread`: a cheap look at a few dozen random samples, to warn when ``first`` is risky;
 * :func:`preserved_rng`: every scan reads ``dataset[i]``, which may draw random numbers
   (augmentations); the run's RNG streams are put back afterwards so its data order and
@@ -49,7 +49,7 @@ SPREAD_RATIO = 2.0
 """The spread look warns when the largest of its samples is more than this many times the median."""
 
 FINGERPRINT_SAMPLES = 16
-"""Samples whose sizes identify a dataset that the dataloader hook rebuilt as a new object."""
+"""Evenly strided samples whose sizes (with the largest ones') identify a dataset's sizes (:class:`Fingerprint`)."""
 
 _MAX_DEPTH = 32
 
@@ -266,30 +266,111 @@ def size_spread(
     return Spread(max(sizes), float(statistics.median(sizes)), len(sizes))
 
 
+@dataclass(frozen=True)
+class Fingerprint:
+    """What identifies a dataset's sizes cheaply: its length and the sizes of a few fixed samples.
+
+    The samples are :data:`FINGERPRINT_SAMPLES` at evenly strided positions over the candidates (the
+    first and the last included) plus the :data:`FINGERPRINT_LARGEST` largest samples of the scan it
+    belongs to: a change to the data's overall sizes (a new tokenizer, a longer crop, every text cut
+    at another ``max_len``) moves the strided ones, and a length curriculum that raises ``max_len``
+    grows exactly the samples that were cut, which are the largest. A change confined to samples it
+    does not read (one short text replaced by a long one) goes unseen until a full scan.
+    """
+
+    length: int
+    indices: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+FINGERPRINT_LARGEST = 16
+"""The largest samples of a scan that its fingerprint re-reads (a curriculum grows the ones it cut)."""
+
+
+def fingerprint_indices(candidates: Sequence[int], largest: Sequence[int] = ()) -> tuple[int, ...]:
+    """The dataset indices a fingerprint reads: strided candidates, then ``largest`` (duplicates once).
+
+    >>> fingerprint_indices(range(100))[:4], len(fingerprint_indices(range(100)))
+    ((0, 6, 13, 19), 16)
+    >>> fingerprint_indices(range(3), largest=[2, 7])
+    (0, 1, 2, 7)
+    """
+    count = len(candidates)
+    picked = min(count, FINGERPRINT_SAMPLES)
+    positions = [0] if picked == 1 else [p * (count - 1) // (picked - 1) for p in range(picked)]
+    seen: dict[int, None] = {}
+    for index in [int(candidates[p]) for p in positions] + [int(i) for i in largest[:FINGERPRINT_LARGEST]]:
+        seen.setdefault(index, None)
+    return tuple(seen)
+
+
+def read_fingerprint(dataset: Any, indices: Sequence[int], size_fn: SizeFn) -> Fingerprint:
+    """The sizes of ``dataset[i]`` for ``indices``, each read with the global RNGs seeded by its index.
+
+    Seeding per sample makes a random augmentation that changes a sample's size (a random crop) read the
+    same way at every check, so unchanged data keeps its fingerprint; the run's own RNG streams are put
+    back afterwards (:func:`preserved_rng`).
+    """
+    sizes = []
+    with preserved_rng():
+        for index in indices:
+            seed = SCAN_SEED + 7919 * int(index)
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that would queue a CUDA seed
+            sizes.append(checked_size(size_fn, dataset[int(index)], int(index)))
+    return Fingerprint(len(dataset), tuple(int(i) for i in indices), tuple(sizes))
+
+
 @dataclass
 class _Entry:
     dataset: Any
     candidates: Sequence[int]
     size_fn: SizeFn
     limit: int | None
-    fingerprint: tuple[int, ...]
+    fingerprint: Fingerprint
     scan: SizeScan
+
+    def matches(self, dataset: Any) -> bool:
+        """Whether ``dataset`` reads the same sizes at this entry's fingerprint samples (same length too)."""
+        known = self.fingerprint
+        if len(dataset) != known.length:
+            return False
+        return read_fingerprint(dataset, known.indices, self.size_fn) == known
 
 
 @dataclass
 class SizeCache:
     """Scans kept across searches, so a dataset is read once per run rather than once per trigger.
 
-    A dataset is recognised by identity, or, when the dataloader hook builds a new dataset object at
-    every call (``DataLoader(MyDataset(self.rows), ...)``), by its type, length, candidates and the
-    sizes of :data:`FINGERPRINT_SAMPLES` seeded random samples: a dataset whose samples changed
-    (a curriculum that swaps in longer texts) gets a different fingerprint and is scanned again.
+    Every look-up checks the dataset's :class:`Fingerprint` (its length and the sizes of a few dozen
+    fixed samples), whether it is the object scanned before or a new one the dataloader hook built
+    (``DataLoader(MyDataset(self.rows), ...)``): a dataset whose fingerprint still matches reuses the
+    scan, one whose fingerprint changed (a curriculum that raised ``max_len`` on the same object, a
+    hook that swapped in longer texts) is scanned again. Inside :meth:`checking_once` (one search, one
+    epoch start) each dataset is checked once, so a search's trials do not re-read it.
     """
 
     max_entries: int = 8
     entries: list[_Entry] = field(default_factory=list)
     scans: int = 0
     """How many scans actually ran (cache misses)."""
+    checks: int = 0
+    """How many fingerprint checks read samples (each reads at most ``FINGERPRINT_SAMPLES + FINGERPRINT_LARGEST``)."""
+    _window: int = 0
+    _checked: set[int] = field(default_factory=set)
+
+    @contextmanager
+    def checking_once(self) -> Iterator[None]:
+        """Within the block, a dataset found matching its fingerprint is not checked again (nothing the
+        block does changes the data: a search's probes, the work of one epoch start)."""
+        self._window += 1
+        try:
+            yield
+        finally:
+            self._window -= 1
+            if not self._window:
+                self._checked.clear()
 
     def get(self, dataset: Any, candidates: Sequence[int], size_fn: SizeFn, limit: int | None) -> tuple[SizeScan, bool]:
         """The dataset's scan, and whether it was just computed (False: from the cache)."""
@@ -298,13 +379,18 @@ class SizeCache:
             return known, False
         scan = scan_sizes(dataset, candidates, size_fn, limit)
         self.scans += 1
-        fingerprint = self._fingerprint(dataset, candidates, size_fn)
-        self.entries.append(_Entry(dataset, candidates, size_fn, limit, fingerprint, scan))
+        fingerprint = read_fingerprint(dataset, fingerprint_indices(candidates, scan.order), size_fn)
+        self.entries = [e for e in self.entries if e.dataset is not dataset or e.size_fn is not size_fn]
+        entry = _Entry(dataset, candidates, size_fn, limit, fingerprint, scan)
+        self.entries.append(entry)
         del self.entries[: -self.max_entries]
+        if self._window:
+            self._checked.add(id(entry))
         return scan, True
 
     def find(self, dataset: Any, candidates: Sequence[int], size_fn: SizeFn, limit: int | None) -> SizeScan | None:
-        """The cached scan of this dataset, or of one with the same type, length and fingerprint; else None."""
+        """The cached scan of this dataset, or of one with the same type, length and fingerprint; else None
+        (a dataset whose fingerprint changed since its scan: the caller scans it again)."""
         similar = [
             e
             for e in self.entries
@@ -313,32 +399,33 @@ class SizeCache:
             and type(e.dataset) is type(dataset)
             and e.candidates == candidates
         ]
+        # the object scanned before first: the usual case, and the one an in-place change hides in
+        similar.sort(key=lambda e: e.dataset is not dataset)
         for entry in similar:
-            if entry.dataset is dataset:
+            if id(entry) in self._checked and entry.dataset is dataset:
                 return entry.scan
-        if similar:
-            fingerprint = self._fingerprint(dataset, candidates, size_fn)
-            for entry in similar:
-                if entry.fingerprint == fingerprint and len(entry.dataset) == len(dataset):
-                    entry.dataset = dataset  # hold the newest object; the old one may be freed
-                    return entry.scan
+            self.checks += 1
+            if entry.matches(dataset):
+                entry.dataset = dataset  # hold the newest object; the old one may be freed
+                if self._window:
+                    self._checked.add(id(entry))
+                return entry.scan
         return None
-
-    @staticmethod
-    def _fingerprint(dataset: Any, candidates: Sequence[int], size_fn: SizeFn) -> tuple[int, ...]:
-        positions = _subset(len(candidates), FINGERPRINT_SAMPLES, SCAN_SEED + 2)
-        with preserved_rng():
-            return tuple(checked_size(size_fn, dataset[int(candidates[p])], int(candidates[p])) for p in positions)
 
 
 __all__ = [
+    "FINGERPRINT_LARGEST",
+    "FINGERPRINT_SAMPLES",
+    "Fingerprint",
     "SizeCache",
     "SizeFn",
     "SizeScan",
     "Spread",
     "checked_size",
     "default_sample_size",
+    "fingerprint_indices",
     "preserved_rng",
+    "read_fingerprint",
     "resolve_size_fn",
     "scan_sizes",
     "size_spread",

@@ -20,9 +20,12 @@ from retune import ScheduleError, load_schedule
 from retune.errors import RetuneError
 from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
 from retune.probing.sample_sizes import (
+    FINGERPRINT_LARGEST,
+    FINGERPRINT_SAMPLES,
     SizeCache,
     checked_size,
     default_sample_size,
+    fingerprint_indices,
     preserved_rng,
     resolve_size_fn,
     scan_sizes,
@@ -194,18 +197,99 @@ def test_spread_flags_widely_varying_sizes() -> None:
 
 def test_cache_scans_a_dataset_once_even_when_the_hook_rebuilds_it() -> None:
     cache = SizeCache()
-    rows = [3, 9, 5] * 10
+    rows = [3, 9, 5] * 100
     data = _data(rows)
-    scan, fresh = cache.get(data, range(30), token_count, None)
+    scan, fresh = cache.get(data, range(300), token_count, None)
     assert fresh and cache.scans == 1
-    assert cache.get(data, range(30), token_count, None) == (scan, False)
+    assert cache.get(data, range(300), token_count, None) == (scan, False)
     rebuilt = _data(rows)  # what `DataLoader(MyDataset(self.rows))` in the hook gives at every call
-    assert cache.get(rebuilt, range(30), token_count, None) == (scan, False)
-    assert rebuilt.reads < 30  # a fingerprint, not a scan
-    changed = _data([3, 9, 50] * 10)
-    assert cache.get(changed, range(30), token_count, None)[1] is True
-    assert cache.get(data, range(30), len, None)[1] is True  # another size function: another scan
+    assert cache.get(rebuilt, range(300), token_count, None) == (scan, False)
+    assert rebuilt.reads <= FINGERPRINT_SAMPLES + FINGERPRINT_LARGEST  # a fingerprint, not a scan
+    changed = _data([3, 9, 50] * 100)
+    assert cache.get(changed, range(300), token_count, None)[1] is True
+    assert cache.get(data, range(300), len, None)[1] is True  # another size function: another scan
     assert cache.scans == 3
+
+
+class _Truncated(TokenDataset):
+    """Texts cut at ``max_len`` when read: a length curriculum raises it on the same object."""
+
+    def __init__(self, lengths: list[int], max_len: int) -> None:
+        super().__init__(lengths)
+        self.max_len = max_len
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample = super().__getitem__(index)
+        return {**sample, "input_ids": sample["input_ids"][: self.max_len]}
+
+
+def test_the_same_object_changed_in_place_is_scanned_again() -> None:
+    lengths = [random.Random(i).choice([8, 12, 200]) for i in range(400)]
+    data = _Truncated(lengths, max_len=64)
+    cache = SizeCache()
+    scan, _ = cache.get(data, range(400), token_count, None)
+    assert scan.sizes[0] == 64
+    reads = data.reads
+    assert cache.get(data, range(400), token_count, None) == (scan, False)  # unchanged: a fingerprint check
+    assert data.reads - reads <= FINGERPRINT_SAMPLES + FINGERPRINT_LARGEST and cache.scans == 1
+    data.max_len = 128  # the curriculum: only the long texts (the largest samples) change
+    again, fresh = cache.get(data, range(400), token_count, None)
+    assert fresh and again.sizes[0] == 128 and cache.scans == 2
+    assert cache.get(data, range(400), token_count, None) == (again, False)
+    assert len(cache.entries) == 1, "the stale scan of the same object is dropped"
+
+
+def test_the_fingerprint_reads_strided_and_the_largest_samples_and_misses_the_rest() -> None:
+    lengths = [8] * 400
+    lengths[123] = 60
+    data = _data(lengths)
+    cache = SizeCache()
+    cache.get(data, range(400), token_count, None)
+    indices = fingerprint_indices(range(400), [123])
+    assert indices[0] == 0 and indices[FINGERPRINT_SAMPLES - 1] == 399 and 123 in indices
+    data.rows[123] = torch.ones(90, dtype=torch.long)  # the largest sample grew: seen
+    assert cache.get(data, range(400), token_count, None)[1] is True
+    read = cache.entries[0].fingerprint.indices
+    unread = next(i for i in range(400) if i not in read)
+    data.rows[unread] = torch.ones(300, dtype=torch.long)  # a sample it does not read: not seen (documented)
+    assert cache.get(data, range(400), token_count, None)[1] is False
+
+
+class _RandomCrop(TokenDataset):
+    """A random crop whose length comes from the global RNG: sizes differ from read to read."""
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample = super().__getitem__(index)
+        keep = 1 + int(torch.randint(0, len(sample["input_ids"]), ()))
+        return {**sample, "input_ids": sample["input_ids"][:keep]}
+
+
+def test_a_random_size_augmentation_keeps_its_fingerprint_and_the_run_keeps_its_rng() -> None:
+    data = _RandomCrop([40] * 200)
+    cache = SizeCache()
+    cache.get(data, range(200), token_count, None)
+    state = torch.get_rng_state()
+    for _ in range(3):
+        torch.rand(5)  # the run draws between checks
+        assert cache.get(data, range(200), token_count, None)[1] is False
+    assert cache.scans == 1
+    torch.rand(5)
+    assert not torch.equal(state, torch.get_rng_state())
+    before = torch.get_rng_state()
+    cache.get(data, range(200), token_count, None)
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_checking_once_reads_a_dataset_once_per_window() -> None:
+    data = _data([3, 9, 5] * 100)
+    cache = SizeCache()
+    cache.get(data, range(300), token_count, None)
+    with cache.checking_once():
+        for _ in range(5):
+            cache.get(data, range(300), token_count, None)
+    assert cache.checks == 1
+    cache.get(data, range(300), token_count, None)
+    assert cache.checks == 2, "outside a window every look-up checks"
 
 
 # -- the loader -------------------------------------------------------------------------------------
@@ -259,9 +343,12 @@ def test_arrange_largest_gives_the_b_largest_for_every_step() -> None:
     got = [ids for ids, _ in loader]
     assert len(got) == 2 and all(ids.shape == (3, 8) for ids in got)
     assert sorted(len(data.rows[i]) for i in loader.batch_sampler.sampler.indices[:3]) == [4, 7, 8]
-    reads = data.reads
-    batches.arrange(DataLoader(data, batch_size=5, collate_fn=pad_collate), "train", steps=2)
-    assert data.reads == reads  # the next trial reuses the scan
+    with batches.cache.checking_once():  # one search: its trials
+        reads = data.reads
+        batches.arrange(DataLoader(data, batch_size=5, collate_fn=pad_collate), "train", steps=2)
+        batches.arrange(DataLoader(data, batch_size=5, collate_fn=pad_collate), "train", steps=2)
+        assert data.reads - reads == 8  # the first trial checks the fingerprint (all 8 samples); the next reuse it
+    assert batches.cache.scans == 1
 
 
 def test_the_copy_keeps_the_users_workers_and_never_shares_a_persistent_pool() -> None:
