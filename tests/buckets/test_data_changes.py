@@ -1,7 +1,7 @@
 """``batching: buckets`` follows the data: a dataset whose sizes changed is rescanned and its buckets re-searched
 (issue 28, point 4), whether it is the same object changed in place or a new one the hook built.
 
-Every real step is measured independently of retune's probes (``tests/varlen.py``'s ``StepPeaks``:
+Every real step is measured independently of retune's probes (``tests/helpers/varlen.py``'s ``StepPeaks``:
 ``measure_peak`` around the step, the CPU tracker the probes use), against the schedule's budget.
 """
 
@@ -18,10 +18,10 @@ import torch
 
 from retune import ScheduledBatchSizeFinder
 from retune.probing.sample_sizes import FINGERPRINT_LARGEST, FINGERPRINT_SAMPLES
-from tests import bucket_data
-from tests.bucket_data import BucketModel, IndexedTokens, long_tail_lengths, tokens
-from tests.lightning_ns import pl, seed
-from tests.varlen import StepPeaks
+from tests.helpers import bucket_data
+from tests.helpers.bucket_data import BucketModel, IndexedTokens, long_tail_lengths, tokens
+from tests.helpers.lightning_ns import pl, seed
+from tests.helpers.varlen import StepPeaks
 
 BUDGET = 5 * 2**20  # bucket_data.BUDGET
 N = 300

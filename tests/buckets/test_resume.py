@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from retune import ScheduledBatchSizeFinder
-from tests import bucket_data
-from tests.bucket_data import BucketModel, IndexedTokens, long_tail_lengths, tokens
-from tests.lightning_ns import LEGACY, pl, seed
+from tests.helpers import bucket_data
+from tests.helpers.bucket_data import BucketModel, IndexedTokens, long_tail_lengths, tokens
+from tests.helpers.lightning_ns import LEGACY, pl, seed
 
 N = 300
 
