@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -217,6 +218,29 @@ def test_a_sampler_gets_its_epoch_before_it_draws() -> None:
     assert sorted(seen.trained(0)) == list(range(0, N, 3))
     assert sorted(seen.trained(1)) == list(range(0, N, 2))  # an epoch longer than the first is not cut short
     _bucketed(finder, seen, said)
+
+
+def test_a_run_resumed_at_an_epoch_boundary_trains_what_a_fresh_sampler_draws(tmp_path: Path) -> None:
+    # a resumed run builds its loader (and so draws) before Lightning moves current_epoch to the restored
+    # epoch: the draw must be the one for the epoch set_epoch gets, and only one pass of the sampler
+    def make() -> WeightedRandomSampler:
+        return WeightedRandomSampler(_weights(), 600, generator=_generator())
+
+    def finder() -> ScheduledBatchSizeFinder:
+        return ScheduledBatchSizeFinder(bucket_data.schedule(), sample_size=tokens, verbose=False, write_report=False)
+
+    seed(0)
+    first = SamplerModel(IndexedTokens(long_tail_lengths(N)), make)
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    bucket_data.trainer([finder(), checkpoint], epochs=1, enable_checkpointing=True).fit(first)
+    seed(0)
+    resumed = SamplerModel(IndexedTokens(long_tail_lengths(N)), make)
+    seen, again = ByEpoch(), finder()
+    bucket_data.trainer([seen, again], epochs=2).fit(resumed, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert list(seen.epochs) == [1]
+    # a plain loader over a fresh sampler, resumed: set_epoch(1), then its first pass
+    assert Counter(seen.trained(1)) == Counter(_draws(make, 1)[0])
+    assert again.bucket_sizes and max(len(b) for b in seen.epochs[1]) > 8
 
 
 def test_the_epoch_count_follows_the_draws_under_limit_train_batches_and_max_steps() -> None:

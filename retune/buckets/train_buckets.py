@@ -292,8 +292,12 @@ class TrainBuckets:
         epoch = int(trainer.current_epoch) if trainer is not None else 0
         if sampler_that_chooses(loader) is not None:
             user_sampler = getattr(loader.batch_sampler, "sampler", None)  # a plain BatchSampler's (why_not)
-            drawn = DrawnBucketBatchSampler(
-                buckets, sizes, draws_from=user_sampler, epoch=epoch, drop_last=bool(loader.drop_last)
+            drawn = DrawnBucketBatchSampler(  # it draws when Lightning first asks its length: for the epoch it sets
+                buckets,
+                sizes,
+                draws_from=user_sampler,
+                epoch=compat.sampler_epoch(trainer) if trainer is not None else epoch,
+                drop_last=bool(loader.drop_last),
             )
             self.sampler = drawn
             return _with_batch_sampler(loader, drawn)

@@ -46,7 +46,7 @@ from retune.compat.distributed import (
     is_distributed,
     unshare_spawned_weights,
 )
-from retune.compat.epoch_length import refresh_train_batches
+from retune.compat.epoch_length import refresh_train_batches, sampler_epoch
 from retune.compat.logs import (
     eval_logging,
     journal_logged_metrics,
@@ -113,6 +113,7 @@ __all__ = [
     "reload_dataloader",
     "request_dataloader",
     "run_step",
+    "sampler_epoch",
     "save_logged_metrics",
     "set_accumulation",
     "set_batch_attr",

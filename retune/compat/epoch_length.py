@@ -35,6 +35,16 @@ def _length(loader: Any) -> int | float:
         return float("inf")
 
 
+def sampler_epoch(trainer: Any) -> int:
+    """The epoch Lightning gives the train samplers (``set_epoch``) for the epoch that starts or runs.
+
+    ``trainer.current_epoch`` lags it between a checkpoint's restore and the fit loop's start (2.x builds
+    the train loader before it moves ``current_epoch`` to the restored epoch): a loader that draws its
+    epoch's samples when it is built must draw for this one.
+    """
+    return int(trainer.fit_loop.epoch_progress.current.processed)
+
+
 def refresh_train_batches(trainer: Any) -> int | float:
     """Recount the training batches of the epoch that starts from the train loader's length now; the new count.
 
@@ -68,4 +78,4 @@ def refresh_train_batches(trainer: Any) -> int | float:
     return count
 
 
-__all__ = ["refresh_train_batches"]
+__all__ = ["refresh_train_batches", "sampler_epoch"]
