@@ -179,6 +179,8 @@ def test_a_weighted_sampler_trains_exactly_its_own_draws_every_epoch(num_samples
         share = sum(i % 4 == 0 for i in trained) / len(trained)
         assert share == sum(i % 4 == 0 for i in expected[epoch]) / num_samples
         assert share > 0.6, share  # the dataset's share is 0.25
+    # the samples per step that keep_effective and lr_scaling use: the epoch's draws over its batches
+    assert finder.history[0].samples_per_step == round(num_samples / len(seen.epochs[0]), 2)
     _bucketed(finder, seen, said)
     _within_budget(peaks)
 
