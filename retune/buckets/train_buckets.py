@@ -6,9 +6,12 @@ last search learned (the next one's prior), the shuffle seed, and the hook that 
 bucketed loader. A search probes each bucket on its worst batch (its largest samples) through the
 same :class:`~retune.probing.prober.Prober` session as a fixed search (:mod:`retune.search.stage` runs both).
 
-Where buckets cannot work — an ``IterableDataset``, a custom ``batch_sampler``, a loader that is not
-a ``DataLoader``, several train loaders, samples without a size — training stays on one batch size
-(``fixed``) and one warning says why.
+A sampler that chooses which samples train and how often (weights, a subset, ``num_samples``) stays
+the truth: each epoch its own draws are bucketed (:mod:`retune.buckets.drawn`). Where buckets cannot
+work — an ``IterableDataset``, a custom ``batch_sampler``, a loader that is not a ``DataLoader``,
+several train loaders, samples without a size, a choosing sampler whose draws cannot be known before
+the epoch (no ``__len__``, or several processes) — training stays on one batch size (``fixed``) and
+one warning says why.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from retune import compat
+from retune.buckets.drawn import DrawnBucketBatchSampler, why_draws_unknown
 from retune.buckets.loader import BucketBatchSampler, TrainLoaderHook, is_shuffled, loader_seed
 from retune.buckets.loader import with_batch_sampler as _with_batch_sampler
 from retune.buckets.plan import Buckets, assign, mean_batch, plan_buckets
@@ -39,7 +43,9 @@ def sampler_that_chooses(loader: Any) -> str | None:
     ``RandomSampler`` without replacement over the whole dataset, ``DistributedSampler`` (each rank its
     share) and retune's own bucket order. A ``WeightedRandomSampler``, a ``RandomSampler`` with
     replacement or another ``num_samples``, or a custom sampler (a subset, a curriculum) decides what
-    trains: bucketing would silently train other data, so the loader stays as the user built it.
+    trains: replacing its draws would silently train other data, so buckets group its own draws each
+    epoch (:class:`~retune.buckets.drawn.DrawnBucketBatchSampler`), or leave the loader as the user built
+    it when they cannot be known before the epoch.
     """
     batch_sampler = getattr(loader, "batch_sampler", None)
     sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
@@ -231,13 +237,11 @@ class TrainBuckets:
         """Why this train loader cannot be bucketed, or None."""
         if isinstance(loader, (Mapping, list, tuple)):
             return "train_dataloader() returns several loaders"
-        chooser = sampler_that_chooses(loader)
-        if chooser is not None:
-            return (
-                f"its sampler ({chooser}) chooses which samples train and how often, and buckets would replace its "
-                "draws with every sample once per epoch"
-            )
-        return why_not_reorderable(loader)
+        reason = why_not_reorderable(loader)
+        if reason is None and sampler_that_chooses(loader) is not None:
+            # the sampler's own draws are bucketed each epoch (DrawnBucketBatchSampler), where they can be known
+            reason = why_draws_unknown(loader.batch_sampler.sampler, self._world_size)
+        return reason
 
     def prepare(self, loader: Any, say: Any, bounds: Sequence[int] | None = None) -> Buckets | None:
         """Group the loader's samples by size (scanned once per dataset); None, with one warning, when not possible."""
@@ -294,6 +298,18 @@ class TrainBuckets:
             return loader
         trainer = self._trainer
         epoch = int(trainer.current_epoch) if trainer is not None else 0
+        if sampler_that_chooses(loader) is not None:
+            user_sampler = getattr(loader.batch_sampler, "sampler", None)  # a plain BatchSampler's (why_not)
+            drawn = DrawnBucketBatchSampler(  # it draws when Lightning first asks its length: for the epoch it sets
+                buckets,
+                sizes,
+                draws_from=user_sampler,
+                epoch=compat.sampler_epoch(trainer) if trainer is not None else epoch,
+                drop_last=bool(loader.drop_last),
+                start=compat.resumed_batches(trainer) if trainer is not None else 0,  # mid-epoch resume: continue
+            )
+            self.sampler = drawn
+            return _with_batch_sampler(loader, drawn)
         seed = self.state.seed if self.state.seed is not None else loader_seed(loader)
         sampler = BucketBatchSampler(
             buckets,
@@ -490,11 +506,20 @@ class TrainBuckets:
         if outcome.result.memory is not None:
             self.state.memory = outcome.result.memory
 
+    def epoch_started(self, trainer: Any) -> None:
+        """At each epoch start: a loader over the user sampler's draws has a new number of batches each epoch,
+        which Lightning counted when it built the loader; recount it for the epoch that starts."""
+        if isinstance(self.sampler, DrawnBucketBatchSampler):
+            compat.refresh_train_batches(trainer)
+            compat.refresh_progress_bar(trainer)
+
     def mean_batch(self) -> float:
         """Samples per step on one rank, over an epoch of the loader in use (0 when not bucketed)."""
         if self.buckets is None or not self.state.sizes:
             return 0.0
         sampler = self.sampler
+        if isinstance(sampler, DrawnBucketBatchSampler):
+            return sampler.mean_batch()  # this epoch's draws
         world, drop_last = (sampler.world_size, sampler.drop_last) if sampler is not None else (self._world_size, False)
         return mean_batch(self.buckets, self.state.sizes, drop_last, world)
 

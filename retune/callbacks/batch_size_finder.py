@@ -218,6 +218,8 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             self._recovery.trigger.consume()  # used by the train search above, or of no use (train is not tuned)
         if self._policies.accumulate is not None:
             compat.set_accumulation(trainer, self._policies.accumulate)  # Lightning 1.9 resets it every epoch
+        if self._buckets is not None:
+            self._buckets.epoch_started(trainer)  # buckets over the user sampler's draws: this epoch's batch count
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not self._disabled and self._recovery is not None:

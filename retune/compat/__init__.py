@@ -8,6 +8,7 @@ outside this package imports Lightning or reads a private trainer attribute. One
 * :mod:`~retune.compat.batch_attr`: the batch-size attribute, through Lightning's own lookup;
 * :mod:`~retune.compat.data`: the user's dataloader hooks called at a candidate size, loaders rebuilt
   for the epoch that starts, batches moved as the loops move them;
+* :mod:`~retune.compat.epoch_length`: the epoch's training batches recounted when the loader's length changed;
 * :mod:`~retune.compat.combined_loaders`: what a dataloader hook returned, iterated as the loops do;
 * :mod:`~retune.compat.loops`: which loop runs a stage, where a training batch is, how many batches a
   fit restored mid-epoch counts as trained;
@@ -46,6 +47,7 @@ from retune.compat.distributed import (
     is_distributed,
     unshare_spawned_weights,
 )
+from retune.compat.epoch_length import refresh_train_batches, sampler_epoch
 from retune.compat.logs import (
     eval_logging,
     journal_logged_metrics,
@@ -108,10 +110,12 @@ __all__ = [
     "namespace_of",
     "probe_batches",
     "refresh_progress_bar",
+    "refresh_train_batches",
     "reload_dataloader",
     "request_dataloader",
     "resumed_batches",
     "run_step",
+    "sampler_epoch",
     "save_logged_metrics",
     "set_accumulation",
     "set_batch_attr",
