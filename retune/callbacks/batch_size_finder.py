@@ -29,10 +29,11 @@ from retune.oom import is_oom_error
 from retune.probing.batch_size_attr import duplicate_attr_message, loader_batch_size
 from retune.probing.probe_batches import ProbeBatches
 from retune.probing.timing import Clock
+from retune.recovery.exactness import ExactnessCheck
 from retune.recovery.loss_items import ItemsFn, resolve_items_fn
 from retune.recovery.oom_sites import add_note, oom_site, why_not_recovered
 from retune.recovery.split import SplitFn, join_detached
-from retune.recovery.step_recovery import EvalStepRecovery, Recovered, TrainStepRecovery
+from retune.recovery.step_recovery import EvalStepRecovery, LossReduction, Recovered, TrainStepRecovery
 from retune.reports import batch_size as report
 from retune.schedule.loading import ScheduleSource, load_schedule
 from retune.schedule.triggers import OutOfMemory, TrainingView, Trigger, build_triggers, evaluate
@@ -260,6 +261,8 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             warn=lambda message: self._say(message, warn=True),
             split_key=None if self._buckets is None else lambda: self._buckets_now(trainer),
         )
+        if self._oom.check_exactness:  # before the first batch trains: can a recovery be exact for this loss?
+            recovery.first_check = self._exactness_check(trainer, pl_module, recovery.loss_reduction)
         (recovery.max_size, recovery.pieces), self._resumed_split = self._resumed_split, (None, 1)
         recovery.splits, self._resumed_splits = self._resumed_splits, {}
         self._split_resumed = recovery.max_size is not None or recovery.pieces > 1 or bool(recovery.splits)
@@ -376,6 +379,19 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             name = str(source) if isinstance(source, (str, Path)) else "<schedule>"
             index = next((i for i, t in enumerate(self.schedule.triggers) if t.kind == "oom"), 0)
             raise ScheduleError(name, [FieldProblem(f"triggers[{index}].loss_items", str(exc))]) from None
+
+    def _exactness_check(self, trainer: Any, pl_module: Any, reduction: LossReduction) -> ExactnessCheck:
+        """The first batch's loss against its halves' before it trains (``retune.recovery.exactness``)."""
+        return ExactnessCheck(
+            pl_module,
+            reduction,
+            self._items_fn or resolve_items_fn(None),
+            self.split_batch,
+            precision_reduced=compat.reduced_precision(trainer),
+            agree=lambda obj: compat.all_gather_object(trainer, obj),
+            note=self._say,
+            warn=lambda message: self._say(message, warn=True),
+        )
 
     def _guard_eval(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Recover an evaluation step that runs out of memory, for this loop run (after its search)."""
