@@ -103,7 +103,7 @@ def test_a_sample_mean_weighting_of_a_token_mean_loss_is_not_exact_and_is_warned
     """The control: weighting by samples differs from the run with memory, and retune says why at fit start."""
     base, _, _ = _fit_task("torch", None, None)
     with pytest.warns(RetuneWarning, match=r"labels.*per token.*loss_reduction: token_mean"):
-        model, _, _ = _fit_task("torch", 50, {"kind": "oom"})
+        model, _, _ = _fit_task("torch", 50, {"kind": "oom", "check_exactness": False})  # deliberately inexact
     assert _max_diff(base, model) > 1e-4
 
 
