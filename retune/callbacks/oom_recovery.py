@@ -23,10 +23,11 @@ from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.events import RetuneEvent
 from retune.messages import Say
 from retune.oom import is_oom_error
+from retune.recovery.exactness import ExactnessCheck
 from retune.recovery.loss_items import ItemsFn, resolve_items_fn
 from retune.recovery.oom_sites import add_note, oom_site, why_not_recovered
 from retune.recovery.split import SplitFn, join_detached
-from retune.recovery.step_recovery import EvalStepRecovery, Recovered, TrainStepRecovery
+from retune.recovery.step_recovery import EvalStepRecovery, LossReduction, Recovered, TrainStepRecovery
 from retune.schedule.models import RetuneSchedule
 from retune.schedule.triggers import OutOfMemory
 
@@ -101,6 +102,8 @@ class OomRecovery:
             warn=lambda message: self._say(message, warn=True),
             split_key=None if self.buckets is None else lambda: self._bucket_now(trainer),
         )
+        if self.trigger.check_exactness:  # before the first batch trains: can a recovery be exact for this loss?
+            recovery.first_check = self._exactness_check(trainer, pl_module, recovery.loss_reduction)
         (recovery.max_size, recovery.pieces), self.resumed_split = self.resumed_split, (None, 1)
         recovery.splits, self.resumed_splits = self.resumed_splits, {}
         self.train = recovery
@@ -134,6 +137,19 @@ class OomRecovery:
                 self.trigger.record(failed_size=known[1], fitting_size=known[0])
         if self.buckets is not None:
             self.buckets.merge_failures([bucket_failures for _, bucket_failures in gathered])
+
+    def _exactness_check(self, trainer: Any, pl_module: Any, reduction: LossReduction) -> ExactnessCheck:
+        """The first batch's loss against its halves' before it trains (``retune.recovery.exactness``)."""
+        return ExactnessCheck(
+            pl_module,
+            reduction,
+            self.items_fn or resolve_items_fn(None),
+            self.split_batch,
+            precision_reduced=compat.reduced_precision(trainer),
+            agree=lambda obj: compat.all_gather_object(trainer, obj),
+            note=self._say,
+            warn=lambda message: self._say(message, warn=True),
+        )
 
     def new_epoch(self) -> None:
         """Each epoch starts whole, at the size the search picks now (a run resumed mid-epoch keeps its split

@@ -68,6 +68,7 @@ from retune.compat.state import (
     loop_progress,
     lr_holders,
     lr_schedulers,
+    reduced_precision,
     set_accumulation,
 )
 from retune.compat.strategies import check_oom_trigger, is_sharded, strategy_kind
@@ -94,6 +95,7 @@ __all__ = [
     "get_accumulation",
     "get_batch_attr",
     "grad_scaler",
+    "reduced_precision",
     "has_batch_attr",
     "hooks_isolated",
     "is_ddp",

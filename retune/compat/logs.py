@@ -54,11 +54,20 @@ def micro_batch_logging(trainer: Any, batch: Any, keep: bool) -> Iterator[None]:
         finally:
             results.batch, results.batch_size = saved
         return
-    owner._results = throwaway_results(trainer, results, training=True)
+    throwaway = throwaway_results(trainer, results, training=True)
+    # nothing logged here is kept, so nothing is computed: a step-level `sync_dist` value would all-reduce at
+    # `self.log`, on this rank only (a rank that splits its step, or the fit-start exactness check on a rank
+    # whose forward ran out of memory before it logged), leaving the ranks' collectives mismatched
+    throwaway.update_metrics = _drop
+    owner._results = throwaway
     try:
         yield
     finally:
         owner._results = results
+
+
+def _drop(key: str, value: Any, batch_size: Any) -> None:
+    return None
 
 
 _METRIC_STATE = ("value", "cumulated_batch_size", "_forward_cache", "_update_count", "_computed")

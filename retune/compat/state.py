@@ -57,6 +57,13 @@ def grad_scaler(trainer: Any) -> Any | None:
     return getattr(trainer.precision_plugin, "scaler", None)
 
 
+def reduced_precision(trainer: Any) -> bool:
+    """True when the training step computes below float32: 16-bit mixed or true precision, transformer-engine,
+    fp8 (2.x names such as ``"bf16-mixed"``; 1.9's ``16``, ``"bf16"``); full: ``32``/``64`` in any spelling."""
+    precision = str(getattr(trainer, "precision", "32"))
+    return not precision.startswith(("32", "64"))
+
+
 def fts_phase(trainer: Any) -> int | None:
     """finetuning-scheduler's current phase, found by duck typing so FTS stays an optional install."""
     for callback in trainer.callbacks:
@@ -105,5 +112,6 @@ __all__ = [
     "loop_progress",
     "lr_holders",
     "lr_schedulers",
+    "reduced_precision",
     "set_accumulation",
 ]

@@ -248,8 +248,11 @@ class TrainStepRecovery(_KeptSplit):
         module: torch.nn.Module | None = None,
         warn: Callable[[str], None] | None = None,
         split_key: Callable[[], Hashable] | None = None,
+        first_check: Callable[[StepParts], None] | None = None,
     ) -> None:
         self._params = params
+        self.first_check = first_check
+        """Run on the first batch before it trains (:class:`retune.recovery.exactness.ExactnessCheck`)."""
         self.split_key = split_key
         """What a kept split belongs to (``batching: buckets``: the bucket of the batch now); None: every batch."""
         self.splits: dict[Hashable, tuple[int | None, int]] = {}
@@ -298,6 +301,11 @@ class TrainStepRecovery(_KeptSplit):
         finished = self.finished
         if self._first_batch:
             self._first_batch = False
+            # resumed with a kept split (the same on every rank: it comes from the checkpoint), the batch is
+            # known not to fit whole; the check's forwards come first, so an unsplittable batch is skipped there
+            resumed = bool(self.splits) if self.split_key is not None else self.max_size is not None or self.pieces > 1
+            if self.first_check is not None and not resumed:
+                self.first_check(step)
             self.check_batch(step.batch)
         if self.max_size is not None or self.pieces > 1:
             kept = self._kept_split(step.batch)
@@ -518,7 +526,7 @@ class TrainStepRecovery(_KeptSplit):
         """Forward and backward of every micro-batch; None when one runs out of memory where a split helps."""
         combined: torch.Tensor | None = None
         results: list[Any] = []
-        weights = _weights(micro, self.loss_reduction, self.items_fn)
+        weights = loss_weights(micro, self.loss_reduction, self.items_fn)
         logs = step.logs
         try:
             for part, weight in zip(micro, weights, strict=True):
@@ -574,10 +582,11 @@ def _all_single(micro: Sequence[Any]) -> bool:
     return all(n is not None and n <= 1 for n in sizes)
 
 
-def _weights(micro: Sequence[Any], reduction: LossReduction, items_fn: ItemsFn | None = None) -> list[float]:
-    """Each micro-batch's loss weight: its share of the samples for a mean loss (equal shares when a custom
-    micro-batch does not tell its size), its share of the counted items for a token mean (0 for every piece
-    of a batch with none: no division by zero), 1 for a sum."""
+def loss_weights(micro: Sequence[Any], reduction: LossReduction, items_fn: ItemsFn | None = None) -> list[float]:
+    """Each micro-batch's loss weight (a recovered step's, and the fit-start exactness check's): its share of
+    the samples for a mean loss (equal shares when a custom micro-batch does not tell its size), its share of
+    the counted items for a token mean (0 for every piece of a batch with none: no division by zero), 1 for a
+    sum."""
     if reduction == "sum":
         return [1.0] * len(micro)
     if reduction == "token_mean":
@@ -659,4 +668,5 @@ __all__ = [
     "LossReduction",
     "Recovered",
     "TrainStepRecovery",
+    "loss_weights",
 ]

@@ -328,6 +328,15 @@ class OomTrigger(_Config):
         "or a dotted path to fn(batch) -> int, e.g. 'mypkg.items.count'.",
     )
 
+    check_exactness: StrictBool = Field(
+        True,
+        description="At fit start, before the first batch trains, compare its loss with its two halves' losses "
+        "recombined as loss_reduction says (one extra forward of the batch and its halves, without gradients) "
+        "and refuse the oom trigger when they differ: a sum loss left at mean, a causal LM counted without "
+        "shifted_labels, an in-batch contrastive loss that no recovery can make exact. false: skip the check and "
+        "accept recovered steps whose update may differ from the whole batch's.",
+    )
+
     @field_validator("loss_items")
     @classmethod
     def _items(cls, value: str | None) -> str | None:

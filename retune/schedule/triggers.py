@@ -194,9 +194,13 @@ class OutOfMemory:
 
     kind = "oom"
 
-    def __init__(self, loss_reduction: str = "mean", loss_items: str | None = None) -> None:
+    def __init__(
+        self, loss_reduction: str = "mean", loss_items: str | None = None, check_exactness: bool = True
+    ) -> None:
         self.loss_reduction = loss_reduction
         self.loss_items = loss_items
+        self.check_exactness = check_exactness
+        """Compare the first batch's loss with its halves' before it trains (:mod:`retune.recovery.exactness`)."""
         self.failed_size: int | None = None
         """The smallest batch size that ran out of memory since the last epoch start."""
         self.fitting_size: int | None = None
@@ -240,7 +244,7 @@ def build_triggers(configs: Sequence[TriggerConfig]) -> list[Trigger]:
         elif isinstance(config, FtsPhaseTrigger):
             triggers.append(FtsPhase())
         elif isinstance(config, OomTrigger):
-            triggers.append(OutOfMemory(config.loss_reduction, config.loss_items))
+            triggers.append(OutOfMemory(config.loss_reduction, config.loss_items, config.check_exactness))
         else:  # pragma: no cover - the schedule's discriminated union admits nothing else
             raise TypeError(f"unknown trigger config {config!r}")
     return triggers

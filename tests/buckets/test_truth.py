@@ -38,7 +38,8 @@ def _data() -> IndexedTokens:
 class _CostOracle(BucketModel):
     """Runs out of memory like a GPU, with the real error type, when ``batch x cost`` passes ``capacity``; a
     sample's cost is its tokens, except for the ``heavy`` samples, whose memory does not follow their length.
-    Counts ``training_step`` calls per epoch, and those of real steps (between the batch hooks) apart."""
+    Counts ``training_step`` calls per epoch, and those of real steps (between the batch hooks, with gradients)
+    apart."""
 
     def __init__(
         self,
@@ -62,7 +63,9 @@ class _CostOracle(BucketModel):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, _, index = batch
-        if self.real:
+        # the oom trigger's fit-start exactness check runs the first batch without gradients: no training step
+        real = self.real and torch.is_grad_enabled()
+        if real:
             self.real_calls[self.trainer.current_epoch] += 1
             self.calls_per_batch[-1] = (self.calls_per_batch[-1][0], self.calls_per_batch[-1][1] + 1)
         capacity = self.capacity
@@ -70,7 +73,7 @@ class _CostOracle(BucketModel):
         if halved and int((ids > 0).sum(1).max()) > 100:
             capacity //= 2  # memory that long sequences need grew: only the long samples' bucket fails
         if ids.shape[0] * self.cost(ids, index) > capacity:
-            self.real_ooms += int(self.real)
+            self.real_ooms += int(real)
             raise torch.OutOfMemoryError(f"CUDA out of memory (oracle: {ids.shape[0]} x cost > {self.capacity})")
         return super().training_step(batch, batch_idx)
 

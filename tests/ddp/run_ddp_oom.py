@@ -5,7 +5,8 @@ hanging CI. Only rank 1 runs out of memory (tests/helpers/oom_oracle.py raises t
 ``torch.OutOfMemoryError`` above a padded-token capacity); rank 0 has memory for every batch.
 
 Usage: run_ddp_oom.py WHERE OUT   with WHERE one of forward, backward, none (no capacity on any
-rank: the reference run), single (rank 1 cannot fit one sample: every rank must stop with an error).
+rank: the reference run), single (rank 1 cannot fit one sample: every rank must stop with an error),
+inexact (rank 1's loss is a sum, rank 0's a mean: the fit-start exactness check refuses it on both ranks).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ class RankTokenModel(TokenModel):
     def setup(self, stage: str) -> None:
         if self.global_rank == 1:
             self.capacity = self.rank1_capacity
+
+
+class InexactOnRankOne(RankTokenModel):
+    """Rank 1's loss is a sum over its samples, rank 0's a mean: only rank 1's exactness check fails."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * len(batch["labels"]) if self.global_rank == 1 else loss
 
 
 class WatchWrapper(pl.Callback):  # type: ignore[misc,name-defined]
@@ -103,8 +112,9 @@ def main() -> None:
     accumulate = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     torch.set_num_threads(1)
     pl.seed_everything(0)
-    capacity = {"forward": 300, "backward": 300, "none": None, "single": 2}[where]
-    model = RankTokenModel(capacity, where="backward" if where == "backward" else "forward", n=128, batch_size=16)
+    capacity = {"forward": 300, "backward": 300, "none": None, "single": 2, "inexact": None}[where]
+    model_cls = InexactOnRankOne if where == "inexact" else RankTokenModel
+    model = model_cls(capacity, where="backward" if where == "backward" else "forward", n=128, batch_size=16)
     finder = ScheduledBatchSizeFinder({"triggers": [{"kind": "oom"}]}, verbose=False, write_report=False)
     trainer = ddp_trainer(
         callbacks=[finder, watch := WatchWrapper()],

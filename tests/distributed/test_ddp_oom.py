@@ -27,6 +27,7 @@ RUNS = {
     "single": ["single", "{out}"],
     "token_none": ["token_none", "{out}"],
     "token": ["token", "{out}"],
+    "inexact": ["inexact", "{out}"],
 }
 
 
@@ -76,6 +77,19 @@ def test_a_sample_that_fits_nowhere_stops_every_rank_without_a_hang(runs: dict[s
     rank0, rank1 = _ranks(run)
     assert "one sample does not fit" in rank1["error"]
     assert "other rank(s) failed" in rank0["error"]
+
+
+def test_an_inexact_loss_on_one_rank_is_refused_on_every_rank_before_training(runs: dict[str, Any]) -> None:
+    """The fit-start exactness check (retune/recovery/exactness.py) runs on each rank's own batch; the ranks
+    agree on the verdict, so rank 0, whose own loss is exact, stops with rank 1's diagnosis instead of training
+    on while rank 1 stops (which would leave it waiting in the gradient all-reduce)."""
+    run = runs["inexact"]
+    assert "TIMED OUT" not in run["output"]
+    rank0, rank1 = _ranks(run)
+    for rank in (rank0, rank1):
+        assert "RetuneError" in rank["error"] and "of rank 1" in rank["error"], rank["error"]
+        assert "`loss_reduction: sum`" in rank["error"]
+        assert rank["global_step"] == 0 and not rank["trained"]
 
 
 def test_token_mean_step_logs_and_outputs_under_ddp_equal_the_run_with_memory(runs: dict[str, Any]) -> None:

@@ -143,8 +143,8 @@ class TokenTask(pl.LightningModule):  # type: ignore[misc,name-defined]
         if self.where == "backward" and too_big:
             out["loss"] = FailInBackward.apply(out["loss"], True)
         self.log("train_loss", out["loss"], on_step=True, on_epoch=True, prog_bar=True, sync_dist=self.sync_dist)
-        if not too_big:
-            self.trained.update(batch["index"].tolist())
+        if not too_big and torch.is_grad_enabled():  # the oom trigger's fit-start check runs forwards without
+            self.trained.update(batch["index"].tolist())  # gradients (retune/recovery/exactness.py): nothing trains
         return out  # a ModelOutput for the HF tasks, a dict for torch
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:

@@ -103,7 +103,7 @@ def test_a_sample_mean_weighting_of_a_token_mean_loss_is_not_exact_and_is_warned
     """The control: weighting by samples differs from the run with memory, and retune says why at fit start."""
     base, _, _ = _fit_task("torch", None, None)
     with pytest.warns(RetuneWarning, match=r"labels.*per token.*loss_reduction: token_mean"):
-        model, _, _ = _fit_task("torch", 50, {"kind": "oom"})
+        model, _, _ = _fit_task("torch", 50, {"kind": "oom", "check_exactness": False})  # deliberately inexact
     assert _max_diff(base, model) > 1e-4
 
 
@@ -135,7 +135,7 @@ def test_token_mean_needs_labels_or_a_function_and_checks_at_fit_start() -> None
 
 
 def test_a_batch_with_no_counted_items_does_not_divide_by_zero() -> None:
-    from retune.recovery.step_recovery import _weights
+    from retune.recovery.step_recovery import loss_weights as _weights
 
     pieces = [{"labels": torch.full((2, 3), -100)}, {"labels": torch.full((1, 3), -100)}]
     assert _weights(pieces, "token_mean") == [0.0, 0.0]
