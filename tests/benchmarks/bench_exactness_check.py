@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from retune import ScheduledBatchSizeFinder
 from retune.step_parts import StepParts
-from tests.lightning_ns import pl, seed
+from tests.helpers.lightning_ns import pl, seed
 
 
 class LM(pl.LightningModule):  # type: ignore[misc,name-defined]

@@ -32,7 +32,7 @@ from retune.recovery.exactness import (
     refusal,
     relative_difference,
 )
-from tests.lightning_ns import PRECISION_BF16, pl, seed
+from tests.helpers.lightning_ns import PRECISION_BF16, pl, seed
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 VOCAB = 24
@@ -226,7 +226,8 @@ class KeepCheck(pl.Callback):  # type: ignore[misc,name-defined]
         self.check: ExactnessCheck | None = None
 
     def on_train_batch_start(self, *args: Any) -> None:
-        recovery = self.finder._train_recovery
+        oom = self.finder._recovery
+        recovery = None if oom is None else oom.train
         if self.check is None and recovery is not None:
             self.check = recovery.first_check  # type: ignore[assignment]
 
