@@ -38,6 +38,7 @@ from retune.search.largest import (
     run_search,
 )
 from retune.search.policies import accumulation_for, lr_factor, scale_learning_rates
+from retune.search.predict_run import PredictionRecord, predicted_search
 from retune.search.throughput import (
     ThroughputPlan,
     choose_fastest,
@@ -202,6 +203,7 @@ def search_stage(
     )
     outcome: BucketOutcome | None = None
     largest: int | None = None
+    prediction = PredictionRecord()
     try:
         with prober.session():
             if grouped is not None and buckets is not None:
@@ -228,12 +230,28 @@ def search_stage(
                         warm=config.warm_start and not cold,
                     )
                 result = _bucket_summary(outcome)
-            elif mode == "model" and limit is not None:
-                # after an unfreeze the old slope misleads more than it helps: measure the new one
-                prior = None if cold or direction == "down" else state.model
-                result = run_model_search(plan, prober.measure, limit, prior)
             else:
-                result = run_search(plan, prober.fits)
+                predicted = None
+                if config.predict == "auto":  # predict, then verify (retune.search.predict_run)
+                    predicted = predicted_search(
+                        trainer,
+                        pl_module,
+                        prober,
+                        plan,
+                        limit if limit is not None else budget if budget is not None else device_limit(device),
+                        stage=stage,
+                        same_batch=config.probe_samples == "largest",
+                        record=prediction,
+                        warn_once=probe_batches.warn_once,
+                    )
+                if predicted is not None:
+                    result = predicted
+                elif mode == "model" and limit is not None:
+                    # after an unfreeze the old slope misleads more than it helps: measure the new one
+                    prior = None if cold or direction == "down" else state.model
+                    result = run_model_search(plan, prober.measure, limit, prior)
+                else:
+                    result = run_search(plan, prober.fits)
             if config.objective == "throughput" and result.size is not None and outcome is None:
                 largest = result.size
                 result = fastest_that_fits(prober, result, schedule, None if cold else state.size)
@@ -289,11 +307,12 @@ def search_stage(
         effective_batch_size=accumulate * size_after,
         lr_factor=factor,
         mode=shown_mode,
-        note=note,
+        note="; ".join(n for n in (note, prediction.note) if n),
         objective=config.objective,
         samples_per_s=[] if config.objective != "throughput" else trial_rates(result.trials, prober.step_times),
         largest=largest if outcome is None else _reference_largest(outcome),
         **_bucket_fields(outcome, buckets),
+        **prediction.event_fields(len(result.trials)),
     )
     state.size, state.last = result.size, result
     state.mean_batch = size_after if outcome is not None else None
