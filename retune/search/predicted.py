@@ -212,14 +212,27 @@ def _next(
         return None
     corrected = _corrected(line, calibration)
     slope = corrected.per_sample
-    if lo is not None and lo in measured and measured[lo] + max(slope, 0.0) > limit:
+    if lo is not None and lo in measured and measured[lo] + max(_slope_left_of(measured, lo, slope), 0.0) > limit:
         return None  # measured at lo, and one more sample's memory would pass the limit
     candidate = step_from(measured, lo, hi, slope, limit)
-    if candidate is None:  # no peak to step from (a real out-of-memory error): bisect the bracket
-        candidate = corrected.largest_within(limit, plan.upper) if not measured else None
-        if candidate is None or (hi is not None and candidate >= hi):
-            candidate = (hi // 2) if lo is None and hi is not None else ((lo or 0) + (hi or 2 * (lo or 1))) // 2
+    if candidate is None and not measured:
+        candidate = corrected.largest_within(limit, plan.upper)
+    if candidate is None or (hi is not None and candidate >= hi):
+        # no peak to step from, or the line says a size that failed fits (a real out-of-memory error left no
+        # peak to correct it with): bisect the bracket
+        candidate = hi // 2 if lo is None and hi is not None else (lo or 0) + ((hi or 2 * (lo or 1)) - (lo or 0)) // 2
     return _clamp(candidate, lo, hi, plan.upper)
+
+
+def _slope_left_of(measured: Mapping[int, int], size: int, calibrated: float) -> float:
+    """Memory one more sample adds at ``size``: the measured secant from the nearest smaller probed size when
+    there is one (memory is convex where it bends, so that secant does not overstate it, and stopping on it
+    never skips a size that fits), else the calibrated line's slope."""
+    smaller = [s for s in measured if s < size]
+    if not smaller:
+        return calibrated
+    nearest = max(smaller)
+    return (measured[size] - measured[nearest]) / (size - nearest)
 
 
 def _clamp(candidate: int, lo: int | None, hi: int | None, upper: int) -> int | None:
