@@ -16,6 +16,7 @@ from typing import Any
 
 from retune import compat, messages
 from retune.allocator import EXPANDABLE_ADVICE, expandable_segments, stats_for
+from retune.buckets.batching import BucketBatching
 from retune.buckets.train_buckets import BucketState, TrainBuckets
 from retune.callbacks.base import RetuneCallback, load_trigger_states, print_above_bar, report_dir, say, trigger_states
 from retune.callbacks.ordering import move_retune_last
@@ -472,7 +473,7 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             say=self._say,
             before_plan=lambda loader: self._warn_duplicate_attr(trainer, pl_module, name, stage, loader),
             clock=self.clock,
-            buckets=self._buckets if stage == "train" else None,
+            batching=BucketBatching(self._buckets) if self._buckets is not None and stage == "train" else None,
         )
         self.history.append(event)
         self._say(report.format_summary(event, where))

@@ -167,6 +167,13 @@ def _apply_margin(plan: SearchPlan, found: int | None, memory_bound: bool) -> in
     return max(1, int(found * (1 - plan.margin)))
 
 
+def apply_margin(plan: SearchPlan, found: int, memory_bound: bool) -> int:
+    """The schedule's margin applied to one bucket's size, by the same rule as a fixed search: only a size
+    that memory limited is cut (not one at the bucket's cap, its share of samples or ``max_val``)."""
+    value = _apply_margin(plan, found, memory_bound)
+    return found if value is None else value
+
+
 # -- model mode ----------------------------------------------------------------------------------
 
 
@@ -305,4 +312,13 @@ def _secant(points: dict[int, int], limit: int) -> MemoryModel | None:
     return MemoryModel(points[a] - slope * a, slope)
 
 
-__all__ = ["MemoryModel", "Mode", "SearchPlan", "SearchResult", "plan_search", "run_model_search", "run_search"]
+__all__ = [
+    "MemoryModel",
+    "Mode",
+    "SearchPlan",
+    "SearchResult",
+    "apply_margin",
+    "plan_search",
+    "run_model_search",
+    "run_search",
+]

@@ -54,7 +54,7 @@ def why_not_predict(trainer: Any, stage: str, limit: int | None) -> str | None:
     if compat.is_sharded(trainer):
         return "FSDP2 shards the state per rank, which the trace does not model yet (FSDPMemTracker is not wired in)"
     try:
-        import retune.prediction  # noqa: F401  # fake tensors: torch._subclasses.fake_tensor
+        import retune.prediction.trace  # noqa: F401  # fake tensors: torch._subclasses.fake_tensor
     except ImportError as error:  # a torch without the fake-tensor API this build uses
         return f"this torch ({_torch_version()}) has no usable fake tensors: {error}"
     return None
@@ -80,7 +80,7 @@ class Tracer:
     state, traced, plus the trainable parameters' gradients)."""
 
     def __call__(self, size: int) -> float:
-        from retune.prediction import CannotPredict, trace_training_step
+        from retune.prediction.trace import CannotPredict, trace_training_step
 
         started = time.perf_counter()
         result = trace_training_step(self.trainer, self.pl_module, self.batch, size, steps=1)

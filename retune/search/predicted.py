@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from retune.events import Trial
-from retune.prediction.fit import Calibration, PeakLine, calibrate
+from retune.prediction.line import Calibration, PeakLine, calibrate
 from retune.search.largest import MemoryModel, SearchPlan, SearchResult, _apply_margin
 
 __all__ = [

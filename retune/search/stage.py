@@ -12,45 +12,23 @@ size, or one size per length bucket) share this one path.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from retune import compat
 from retune.allocator import process_limit, stats_for
-from retune.buckets.train_buckets import BucketOutcome, TrainBuckets
 from retune.errors import RetuneError
-from retune.events import Direction, RetuneEvent, Trial
+from retune.events import Direction, RetuneEvent
 from retune.memory import device_total_bytes
 from retune.probing.probe_batches import ProbeBatches
 from retune.probing.prober import Prober, TrialReport
 from retune.probing.timing import Clock
 from retune.schedule.models import RetuneSchedule
-from retune.search.largest import (
-    MemoryModel,
-    Mode,
-    SearchPlan,
-    SearchResult,
-    _apply_margin,
-    plan_search,
-    run_model_search,
-    run_search,
-)
+from retune.search.batching import Batching, FixedBatching, Limits, Say, SearchJob
+from retune.search.largest import MemoryModel, Mode, SearchPlan, SearchResult, plan_search
 from retune.search.policies import accumulation_for, lr_factor, scale_learning_rates
-from retune.search.predict_run import PredictionRecord, predicted_search
-from retune.search.throughput import (
-    ThroughputPlan,
-    choose_fastest,
-    selection_budget,
-    selection_steps,
-    timed_sizes,
-    trial_rates,
-    with_choice,
-)
-
-Say = Callable[..., None]
-"""``say(message, warn=False)``: the callback's rank-zero printer."""
+from retune.search.throughput import trial_rates
 
 
 @dataclass
@@ -134,7 +112,7 @@ def search_stage(
     say: Say,
     before_plan: Callable[[Any], None] | None = None,
     clock: Clock | None = None,
-    buckets: TrainBuckets | None = None,
+    batching: Batching | None = None,
 ) -> tuple[RetuneEvent, str]:
     """Search ``stage``'s batch size (attribute ``name``), apply it, and return the event and where it ran.
 
@@ -142,52 +120,27 @@ def search_stage(
     ``failed`` and trained in pieces of ``fitting``: the search starts below the failure. ``state``
     is updated in place; ``before_plan(loader)`` sees the stage's loader once (a warning about it).
     With ``search.objective: throughput`` the size applied is the fastest that fits (:mod:`retune.search.throughput`),
-    its steps timed with ``clock``. With ``buckets`` (``search.batching: buckets``, train stage) every
-    bucket gets its own size, unless the loader cannot be bucketed (then one size, as ``fixed``).
-    On any failure the attribute is put back to what it was.
+    its steps timed with ``clock``. ``batching`` sizes the batches (:mod:`retune.search.batching`; default
+    one size for every batch: the buckets pass their own). On any failure the attribute is put back to what it was.
     """
     config = schedule.search
+    batching = batching or FixedBatching()
     before = compat.get_batch_attr(trainer, pl_module, name)
     started = time.perf_counter()
     device = pl_module.device
     budget = schedule.memory.budget_bytes(device_total_bytes(device))
     mode, limit, note = mode_and_limit(schedule, device, budget)
-    previous = None if cold else state.last
-    if known_oom is not None:
-        fitting, failed = known_oom  # a real step failed at `failed`, and pieces of `fitting` ran
-        previous = SearchResult(state.size, min(fitting, failed - 1), failed)
-        direction = "down"
-    with _paused(buckets):
-        loader = compat.request_dataloader(trainer, stage)
+    loader = batching.loader(trainer, stage)
     if before_plan is not None:
         before_plan(loader)
-    grouped = buckets.prepare(loader, say) if buckets is not None else None
-    plan = plan_search(
-        mode=mode,
-        init_val=config.init_val,
-        max_trials=config.max_trials,
-        margin=config.margin,
-        max_val=config.max_val,
-        dataset_len=compat.dataset_length(loader, trainer.world_size),
-        warm_start=config.warm_start or known_oom is not None,
-        previous=previous,
-        direction=direction,
+    search = batching.begin(loader, say, Limits(mode, limit, note, budget, device))
+    plan, direction = _plan(
+        schedule, mode, compat.dataset_length(loader, trainer.world_size), state, cold, direction, known_oom
     )
     del loader
     epoch = trainer.current_epoch
     where = f"epoch {epoch}" if stage in ("train", "val") and compat.trainer_fn(trainer) == "fit" else label
-    shown_mode: str = mode
-    if grouped is not None:
-        shown_mode, note = "buckets", ""
-        limit = budget if budget is not None else device_limit(device)
-        if limit is None:
-            note = "no memory limit to model (no memory.budget, no device statistics): each bucket was bisected"
-        say(
-            f"{where}: {label} fired, searching the {stage} batch size of {grouped.count} buckets "
-            f"(samples up to {', '.join(str(b) for b in grouped.largest)})"
-        )
-    else:
-        say(f"{where}: {label} fired, searching the {stage} batch size (from {plan.start})")
+    say(f"{where}: {label} fired, searching the {stage} batch size {search.describe(plan)}")
     prober = Prober(
         trainer,
         pl_module,
@@ -196,99 +149,28 @@ def search_stage(
         budget,
         on_trial=on_trial,
         stage=stage,
-        track_memory=shown_mode in ("model", "buckets") or stats_for(device) is not None,  # a caching allocator
+        track_memory=search.needs_peaks or stats_for(device) is not None,  # a caching allocator
         arrange=lambda loader: probe_batches.arrange(loader, stage, prober.steps_per_trial),
         time_steps=config.objective == "throughput",
         clock=clock,
     )
-    outcome: BucketOutcome | None = None
-    largest: int | None = None
-    prediction = PredictionRecord()
+    job = SearchJob(trainer, stage, schedule, plan, prober, direction, cold, state, probe_batches.warn_once)
     try:
         with prober.session():
-            if grouped is not None and buckets is not None:
-                outcome = buckets.search(
-                    trainer,
-                    grouped,
-                    prober,
-                    limit=limit,
-                    start=min(config.init_val, plan.upper),
-                    max_trials=config.max_trials,
-                    max_val=config.max_val,
-                    margin_of=lambda found, memory_bound: apply_margin(plan, found, memory_bound),
-                    tolerance=config.margin,
-                    steps=config.steps_per_trial,
-                    direction=direction,
-                    cold=cold,
-                )
-                if config.objective == "throughput":
-                    buckets.cap_at_fastest(
-                        outcome,
-                        prober,
-                        tolerance=config.throughput_tolerance,
-                        steps=config.steps_per_trial,
-                        warm=config.warm_start and not cold,
-                    )
-                result = _bucket_summary(outcome)
-            else:
-                predicted = None
-                if config.predict == "auto":  # predict, then verify (retune.search.predict_run)
-                    predicted = predicted_search(
-                        trainer,
-                        pl_module,
-                        prober,
-                        plan,
-                        limit if limit is not None else budget if budget is not None else device_limit(device),
-                        stage=stage,
-                        same_batch=config.probe_samples == "largest",
-                        record=prediction,
-                        warn_once=probe_batches.warn_once,
-                    )
-                if predicted is not None:
-                    result = predicted
-                elif mode == "model" and limit is not None:
-                    # after an unfreeze the old slope misleads more than it helps: measure the new one
-                    prior = None if cold or direction == "down" else state.model
-                    result = run_model_search(plan, prober.measure, limit, prior)
-                else:
-                    result = run_search(plan, prober.fits)
-            if config.objective == "throughput" and result.size is not None and outcome is None:
-                largest = result.size
-                result = fastest_that_fits(prober, result, schedule, None if cold else state.size)
+            result = search.run(job)
     except BaseException:
         compat.set_batch_attr(trainer, pl_module, name, before)
         raise
     if result.size is None:
         compat.set_batch_attr(trainer, pl_module, name, before)
-        smallest = min(t.batch_size for t in result.trials) if result.trials else 1
-        what = f"{stage} batch size" if outcome is None else f"{stage} batch size for the longest samples' bucket"
-        raise RetuneError(
-            f"no {what} fits in memory after trigger {label!r} at epoch {epoch}: the smallest "
-            f"size tried, {smallest}, ran out of memory ({len(result.trials)} trials). Free memory (freeze "
-            f"more layers, lower precision, shorter inputs) or raise search.max_trials if it stopped early."
-        )
+        raise _nothing_fits(search.what(stage), label, epoch, result)
     compat.set_batch_attr(trainer, pl_module, name, result.size)
-    if outcome is not None and buckets is not None:
-        changed = outcome.sizes != outcome.sizes_before or not buckets.active
-        buckets.apply(outcome)
-        if changed:
-            compat.reload_dataloader(trainer, stage)
-            compat.refresh_progress_bar(trainer)
-        size_before = state.mean_batch or before
-        mean = buckets.mean_batch()
-        size_after = max(1, round(mean))
-    else:
-        if result.size != before:
-            compat.reload_dataloader(trainer, stage)
-            if stage == "train":
-                compat.refresh_progress_bar(trainer)
-        size_before, size_after = before, result.size
+    size_before, size_after, mean_batch = search.apply(job, before, result.size)
+    accumulate, factor = 1, 1.0
     if stage == "train":
         accumulate, factor = apply_policies(
             trainer, schedule, policies, size_before, size_after, first_tune=state.last is None, say=say
         )
-    else:
-        accumulate, factor = 1, 1.0
     event = RetuneEvent(
         epoch=epoch,
         global_step=trainer.global_step,
@@ -306,94 +188,55 @@ def search_stage(
         accumulate=accumulate,
         effective_batch_size=accumulate * size_after,
         lr_factor=factor,
-        mode=shown_mode,
-        note="; ".join(n for n in (note, prediction.note) if n),
+        mode=search.mode,
+        note=search.note,
         objective=config.objective,
         samples_per_s=[] if config.objective != "throughput" else trial_rates(result.trials, prober.step_times),
-        largest=largest if outcome is None else _reference_largest(outcome),
-        **_bucket_fields(outcome, buckets),
-        **prediction.event_fields(len(result.trials)),
+        **search.event_fields(),
     )
-    state.size, state.last = result.size, result
-    state.mean_batch = size_after if outcome is not None else None
+    state.size, state.last, state.mean_batch = result.size, result, mean_batch
     if result.model is not None:
         state.model = result.model
     return event, where
 
 
-def apply_margin(plan: SearchPlan, found: int, memory_bound: bool) -> int:
-    """The schedule's margin applied to one bucket's size, by the same rule as a fixed search: only a size
-    that memory limited is cut (not one at the bucket's cap, its share of samples or ``max_val``)."""
-    value = _apply_margin(plan, found, memory_bound)
-    return found if value is None else value
-
-
-@contextmanager
-def _paused(buckets: TrainBuckets | None) -> Iterator[None]:
-    """The user's own loader, not the bucketed one, for as long as the block runs."""
-    if buckets is None:
-        yield
-        return
-    with buckets.hook.paused():
-        yield
-
-
-def _bucket_summary(outcome: BucketOutcome) -> SearchResult:
-    """The bucketed search as one ``SearchResult``: the longest samples' bucket's size (the one size that
-    fits every batch, which the batch-size attribute holds), with every trial."""
-    sizes = outcome.sizes
-    longest = max(range(len(sizes)), key=lambda b: (outcome.buckets.largest[b], -b))
-    size = sizes[longest] if all(s is not None for s in sizes) else None
-    result = outcome.result
-    trials = [Trial(t.batch_size, t.fits) for t in result.trials]
-    return SearchResult(size, result.found[longest], result.min_failing[longest], trials)
-
-
-def _bucket_fields(outcome: BucketOutcome | None, buckets: TrainBuckets | None) -> dict[str, Any]:
-    if outcome is None or buckets is None:
-        return {}
-    return {
-        "bucket_sizes": [int(s) for s in outcome.sizes if s is not None],
-        "bucket_sizes_before": list(outcome.sizes_before),
-        "bucket_bounds": list(outcome.buckets.largest),
-        "bucket_samples": [len(m) for m in outcome.buckets.members],
-        "trial_buckets": [t.bucket for t in outcome.result.trials],
-        "samples_per_step": round(buckets.mean_batch(), 2),
-        "bucket_largest": list(outcome.largest),
-        "reference_bucket": outcome.reference,
-        "padded_per_step": outcome.padded,
-    }
-
-
-def _reference_largest(outcome: BucketOutcome) -> int | None:
-    """Throughput with buckets: the largest size that fit the reference bucket (the cap its selection had)."""
-    if outcome.reference is None or not outcome.largest:
-        return None
-    return outcome.largest[outcome.reference]
-
-
-def fastest_that_fits(prober: Prober, result: SearchResult, schedule: RetuneSchedule, last: int | None) -> SearchResult:
-    """``objective: throughput``: among the sizes up to the one ``result`` applies, the fastest.
-
-    Runs inside the probe session, timing the fit search's steps and adding the few trials the
-    selection needs. A warm re-tune starts looking at ``last``, the size the previous search chose.
-    """
+def _plan(
+    schedule: RetuneSchedule,
+    mode: Mode,
+    dataset_len: int | None,
+    state: StageState,
+    cold: bool,
+    direction: Direction,
+    known_oom: tuple[int, int] | None,
+) -> tuple[SearchPlan, Direction]:
+    """Where the search starts: cold, warm from the stage's last search, or below a real step's failure."""
     config = schedule.search
-    assert result.size is not None
-    start = last if config.warm_start else None
-    steps = selection_steps(config.steps_per_trial)
-    known = timed_sizes(result.trials, prober.step_times)
-    choice = choose_fastest(
-        ThroughputPlan(
-            cap=result.size,
-            tolerance=config.throughput_tolerance,
-            start=start,
-            max_trials=selection_budget(len(result.trials), timed=bool(known)),
-        ),
-        known,
-        lambda size: prober.time(size, steps),
+    previous = None if cold else state.last
+    if known_oom is not None:
+        fitting, failed = known_oom  # a real step failed at `failed`, and pieces of `fitting` ran
+        previous = SearchResult(state.size, min(fitting, failed - 1), failed)
+        direction = "down"
+    plan = plan_search(
+        mode=mode,
+        init_val=config.init_val,
+        max_trials=config.max_trials,
+        margin=config.margin,
+        max_val=config.max_val,
+        dataset_len=dataset_len,
+        warm_start=config.warm_start or known_oom is not None,
+        previous=previous,
+        direction=direction,
     )
-    return with_choice(result, choice)
+    return plan, direction
+
+
+def _nothing_fits(what: str, label: str, epoch: int, result: SearchResult) -> RetuneError:
+    smallest = min(t.batch_size for t in result.trials) if result.trials else 1
+    return RetuneError(
+        f"no {what} fits in memory after trigger {label!r} at epoch {epoch}: the smallest "
+        f"size tried, {smallest}, ran out of memory ({len(result.trials)} trials). Free memory (freeze "
+        f"more layers, lower precision, shorter inputs) or raise search.max_trials if it stopped early."
+    )
 
 
 def apply_policies(
@@ -431,4 +274,4 @@ def apply_policies(
     return accumulate, factor
 
 
-__all__ = ["Policies", "StageState", "apply_policies", "fastest_that_fits", "mode_and_limit", "search_stage"]
+__all__ = ["Policies", "StageState", "apply_policies", "device_limit", "mode_and_limit", "search_stage"]

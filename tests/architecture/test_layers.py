@@ -17,6 +17,9 @@ The rules (docs/development.md, "The layer rule"):
   ``reports/``); the callbacks; the applications (``integrations/``, ``cli``, ``demo``).
   ``compat/`` imports nothing of retune above the base vocabulary. Sideways imports must not form a
   cycle.
+* **One search path.** ``retune/search/`` never reaches ``retune/buckets/`` (not even through another
+  module): the buckets implement the search's ``Batching`` seam (``retune.search.batching``) and the
+  callback passes them, so a fixed search never enters the buckets' code.
 * **No private names across packages**: ``from retune.a import _x`` only inside package ``a``.
 * **``__all__`` in every module.**
 """
@@ -183,6 +186,24 @@ def test_file_formats_import_no_torch(package: str) -> None:
     assert not found, "\n".join(sorted(set(found)))
 
 
+# sideways imports that must not happen (not even through another module): the package on the left
+# defines a seam the one on the right implements
+SEAMS: dict[str, str] = {"retune.search": "retune.buckets"}
+
+
+@pytest.mark.parametrize("package", sorted(SEAMS))
+def test_seams_are_not_crossed_backwards(package: str) -> None:
+    implementer = SEAMS[package]
+    found = sorted(
+        f"{name} reaches {target}"
+        for name in MODULES
+        if _unit(name) == package
+        for target in _reachable(name)
+        if _unit(target) == implementer
+    )
+    assert not found, f"{package} must not import {implementer} (it implements {package}'s seam):\n" + "\n".join(found)
+
+
 def test_imports_never_run_up_the_layers() -> None:
     found = []
     for name, targets in EDGES.items():
@@ -287,3 +308,15 @@ def test_rules_catch_a_violation(tmp_path: Path) -> None:
             test_file_formats_import_no_torch("retune.schedule")
     finally:
         del TREES[planted], MODULES[planted], EDGES[planted]
+
+
+def test_seam_rule_catches_a_crossing() -> None:
+    """A search module that imports the buckets (directly or through another module) fails the seam rule."""
+    planted = "retune.search.planted"
+    MODULES[planted] = ROOT / "search" / "planted.py"
+    EDGES[planted] = {"retune.buckets.train_buckets"}
+    try:
+        with pytest.raises(AssertionError, match=r"planted reaches retune\.buckets\.train_buckets"):
+            test_seams_are_not_crossed_backwards("retune.search")
+    finally:
+        del MODULES[planted], EDGES[planted]

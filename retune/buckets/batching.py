@@ -1,0 +1,140 @@
+"""The buckets' side of the search's :class:`~retune.search.batching.Batching` seam.
+
+:class:`BucketBatching` is what the callback passes :func:`~retune.search.stage.search_stage` for the
+train stage under ``search.batching: buckets``: it reads the user's loader with the bucketed one
+paused, groups the samples by size and, per search, returns a :class:`BucketSearch` that sizes every
+bucket (:meth:`~retune.buckets.train_buckets.TrainBuckets.search`), caps them at the fastest padded
+work with ``objective: throughput``, applies the sizes and fills the event's bucket fields. A loader
+that cannot be bucketed falls back to one size for this search
+(:class:`~retune.search.batching.FixedSearch`), with one warning.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from retune import compat
+from retune.buckets.plan import Buckets
+from retune.buckets.train_buckets import BucketOutcome, TrainBuckets
+from retune.events import Trial
+from retune.search.batching import FixedSearch, Limits, Say, SearchJob, StageSearch
+from retune.search.largest import SearchPlan, SearchResult, apply_margin
+from retune.search.stage import device_limit
+
+
+class BucketBatching:
+    """One batch size per bucket of samples grouped by size (the train stage's :class:`TrainBuckets`)."""
+
+    def __init__(self, buckets: TrainBuckets) -> None:
+        self.buckets = buckets
+
+    def loader(self, trainer: Any, stage: str) -> Any:
+        with self.buckets.hook.paused():  # the user's own loader, not the bucketed one
+            return compat.request_dataloader(trainer, stage)
+
+    def begin(self, loader: Any, say: Say, limits: Limits) -> StageSearch:
+        grouped = self.buckets.prepare(loader, say)
+        if grouped is None:
+            return FixedSearch(limits)
+        return BucketSearch(self.buckets, grouped, limits)
+
+
+class BucketSearch:
+    """One search of every bucket's size; the batch-size attribute gets the longest samples' bucket's."""
+
+    def __init__(self, buckets: TrainBuckets, grouped: Buckets, limits: Limits) -> None:
+        self.buckets = buckets
+        self.grouped = grouped
+        self.mode = "buckets"
+        self.needs_peaks = True
+        self.limit = limits.budget if limits.budget is not None else device_limit(limits.device)
+        self.note = (
+            ""
+            if self.limit is not None
+            else "no memory limit to model (no memory.budget, no device statistics): each bucket was bisected"
+        )
+        self.outcome: BucketOutcome | None = None
+
+    def describe(self, plan: SearchPlan) -> str:
+        grouped = self.grouped
+        return f"of {grouped.count} buckets (samples up to {', '.join(str(b) for b in grouped.largest)})"
+
+    def run(self, job: SearchJob) -> SearchResult:
+        config, plan = job.schedule.search, job.plan
+        outcome = self.buckets.search(
+            job.trainer,
+            self.grouped,
+            job.prober,
+            limit=self.limit,
+            start=min(config.init_val, plan.upper),
+            max_trials=config.max_trials,
+            max_val=config.max_val,
+            margin_of=lambda found, memory_bound: apply_margin(plan, found, memory_bound),
+            tolerance=config.margin,
+            steps=config.steps_per_trial,
+            direction=job.direction,
+            cold=job.cold,
+        )
+        self.outcome = outcome
+        if config.objective == "throughput":
+            self.buckets.cap_at_fastest(
+                outcome,
+                job.prober,
+                tolerance=config.throughput_tolerance,
+                steps=config.steps_per_trial,
+                warm=config.warm_start and not job.cold,
+            )
+        return _summary(outcome)
+
+    def what(self, stage: str) -> str:
+        return f"{stage} batch size for the longest samples' bucket"
+
+    def apply(self, job: SearchJob, before: int, size: int) -> tuple[int, int, int | None]:
+        outcome = self._outcome()
+        changed = outcome.sizes != outcome.sizes_before or not self.buckets.active
+        self.buckets.apply(outcome)
+        if changed:
+            compat.reload_dataloader(job.trainer, job.stage)
+            compat.refresh_progress_bar(job.trainer)
+        after = max(1, round(self.buckets.mean_batch()))
+        return job.state.mean_batch or before, after, after
+
+    def event_fields(self) -> dict[str, Any]:
+        outcome = self._outcome()
+        return {
+            "largest": _reference_largest(outcome),
+            "bucket_sizes": [int(s) for s in outcome.sizes if s is not None],
+            "bucket_sizes_before": list(outcome.sizes_before),
+            "bucket_bounds": list(outcome.buckets.largest),
+            "bucket_samples": [len(m) for m in outcome.buckets.members],
+            "trial_buckets": [t.bucket for t in outcome.result.trials],
+            "samples_per_step": round(self.buckets.mean_batch(), 2),
+            "bucket_largest": list(outcome.largest),
+            "reference_bucket": outcome.reference,
+            "padded_per_step": outcome.padded,
+        }
+
+    def _outcome(self) -> BucketOutcome:
+        assert self.outcome is not None, "BucketSearch.run has not run"
+        return self.outcome
+
+
+def _summary(outcome: BucketOutcome) -> SearchResult:
+    """The bucketed search as one ``SearchResult``: the longest samples' bucket's size (the one size that
+    fits every batch, which the batch-size attribute holds), with every trial."""
+    sizes = outcome.sizes
+    longest = max(range(len(sizes)), key=lambda b: (outcome.buckets.largest[b], -b))
+    size = sizes[longest] if all(s is not None for s in sizes) else None
+    result = outcome.result
+    trials = [Trial(t.batch_size, t.fits) for t in result.trials]
+    return SearchResult(size, result.found[longest], result.min_failing[longest], trials)
+
+
+def _reference_largest(outcome: BucketOutcome) -> int | None:
+    """Throughput with buckets: the largest size that fit the reference bucket (the cap its selection had)."""
+    if outcome.reference is None or not outcome.largest:
+        return None
+    return outcome.largest[outcome.reference]
+
+
+__all__ = ["BucketBatching", "BucketSearch"]
