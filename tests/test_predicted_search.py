@@ -262,3 +262,34 @@ def test_a_prediction_leaves_no_trace_in_the_run() -> None:
     for key in state_a:
         for name in state_a[key]:
             assert torch.equal(state_a[key][name], state_b[key][name]), (key, name)
+
+
+# -- buckets --------------------------------------------------------------------------------------------------
+
+
+def test_buckets_with_prediction_verify_every_bucket_and_fit_the_budget() -> None:
+    """``batching: buckets`` with ``predict: auto`` on the long-tail token data of the bucket tests, frozen in
+    epoch 0 and unfrozen at epoch 1: both searches predict, every bucket's size was verified by a probe of
+    that bucket, every real step fits the budget (measured independently, ``StepPeaks``), and the sizes are
+    within a few percent of the search without predict."""
+    from tests.test_buckets_fit import BUDGET
+    from tests.test_buckets_fit import _fit as bucket_fit
+
+    plain = bucket_fit(epochs=2, frozen=True, unfreeze_at=1)["finder"].history
+    run = bucket_fit(epochs=2, frozen=True, unfreeze_at=1, predict="auto")
+    history, peaks = run["finder"].history, run["peaks"]
+    assert [e.prediction for e in history] == ["predicted", "predicted"]
+    assert max(peaks.peaks) <= BUDGET, max(peaks.peaks) / BUDGET
+    for event, before in zip(history, plain, strict=True):
+        assert len(event.predicted_bytes) == len(event.trials)
+        assert event.prediction_s > 0
+        for bucket, size in enumerate(event.bucket_sizes):
+            longer_fit = [
+                t.batch_size
+                for t, b in zip(event.trials, event.trial_buckets, strict=True)
+                if t.fits and event.bucket_bounds[b] >= event.bucket_bounds[bucket]
+            ]
+            # a size is used only at or below one a real probe found to fit, in its bucket or a longer one
+            assert max(longer_fit, default=0) >= size, f"bucket {bucket}'s size {size} was never verified"
+        for a, b in zip(event.bucket_sizes, before.bucket_sizes, strict=True):
+            assert abs(a - b) <= max(2, 0.1 * b), (event.bucket_sizes, before.bucket_sizes)
