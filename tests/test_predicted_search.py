@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
 from retune.events import RetuneEvent
+from retune.reports.batch_size import format_summary
 from retune.search.largest import SearchPlan
 from retune.search.predicted import Prediction, predict_largest, run_predicted_search
 from tests.lightning_ns import pl
@@ -191,6 +192,7 @@ def test_linear_memory_reaches_the_exact_largest_size_in_at_most_two_probes(mode
     errors = [e for e in predicted.prediction_errors if e is not None]
     assert errors and all(abs(e) <= 0.01 for e in errors), errors  # the trace counts what the CPU tracker counts
     assert 0 < predicted.prediction_s < predicted.duration_s
+    assert "verifying a prediction (traces" in format_summary(predicted)
 
 
 def test_a_one_step_verifying_probe_counts_the_optimizer_state_it_creates() -> None:
@@ -211,6 +213,7 @@ def test_an_untraceable_step_falls_back_says_why_once_and_finds_the_same_size() 
         fallback = _event(_schedule("model", "auto"), WideMLP(nonzero=True))
     assert fallback.prediction == "probed" and fallback.predicted_bytes == []
     assert "aten.nonzero" in fallback.note and "predict fell back to real probes" in fallback.note
+    assert "probed: could not predict" in format_summary(fallback)
     assert fallback.batch_size_after == today.batch_size_after
     assert [tuple(t) for t in fallback.trials] == [tuple(t) for t in today.trials]
     said = [str(w.message) for w in caught if "search.predict" in str(w.message)]
