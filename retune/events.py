@@ -89,6 +89,25 @@ class RetuneEvent:
     work per step (in ``sample_size`` units: tokens, pixels) every bucket was capped at. None: no cap (the
     fastest size was the largest that fit)."""
 
+    prediction: str = ""
+    """``search.predict: auto``: ``predicted`` when the search traced the step and verified the predicted sizes
+    with real probes, ``probed`` when it could not trace and searched with real probes alone (``note`` says
+    why); empty when prediction was off."""
+    predicted_bytes: list[int | None] = field(default_factory=list)
+    """``predicted``: the traced peak at each trial's size, uncalibrated, the quantity ``peak_bytes`` measured
+    (None where a trial was not predicted); empty otherwise."""
+    prediction_s: float = 0.0
+    """Seconds the traces took (included in ``duration_s``)."""
+
+    @property
+    def prediction_errors(self) -> list[float | None]:
+        """Per trial, ``(predicted - measured) / measured`` of the uncalibrated trace (positive: it predicted
+        more); None where either is missing."""
+        return [
+            None if p is None or m is None or m <= 0 else (p - m) / m
+            for p, m in zip(self.predicted_bytes, self.peak_bytes, strict=False)
+        ]
+
     @property
     def is_recovery(self) -> bool:
         return self.micro_batches > 0

@@ -138,6 +138,19 @@ def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Opt
     return sum(seen.values())
 
 
+def has_optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
+    """Whether every trainable parameter of ``optimizers`` has its optimizer state: a step taken now has the
+    steady-state peak (state, gradients and activations alive together); before the first step, or for
+    parameters just unfrozen, the step creates that state after its activations are freed."""
+    return all(
+        len(optimizer.state.get(param, {})) > 0
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+        for param in group["params"]
+        if param.requires_grad
+    )
+
+
 def _storage_bytes(tensors: Iterable[Any]) -> int:
     seen: dict[int, int] = {}
     for tensor in tensors:
@@ -331,4 +344,12 @@ def measure_peak(
     yield reading
 
 
-__all__ = ["CpuPeakTracker", "PeakReading", "device_total_bytes", "measure_peak", "resident_bytes", "tensor_bytes"]
+__all__ = [
+    "CpuPeakTracker",
+    "PeakReading",
+    "device_total_bytes",
+    "has_optimizer_state",
+    "measure_peak",
+    "resident_bytes",
+    "tensor_bytes",
+]

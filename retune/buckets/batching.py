@@ -11,14 +11,17 @@ that cannot be bucketed falls back to one size for this search
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from retune import compat
 from retune.buckets.plan import Buckets
-from retune.buckets.train_buckets import BucketOutcome, TrainBuckets
+from retune.buckets.sizes import BucketMemory, _interpolate
+from retune.buckets.train_buckets import BucketOutcome, PredictBuckets, TracedBuckets, TrainBuckets
 from retune.events import Trial
 from retune.search.batching import FixedSearch, Limits, Say, SearchJob, StageSearch
 from retune.search.largest import SearchPlan, SearchResult, apply_margin
+from retune.search.predict_run import PredictionRecord, Tracer, Untraceable, why_not_predict
 from retune.search.stage import device_limit
 
 
@@ -54,6 +57,9 @@ class BucketSearch:
             else "no memory limit to model (no memory.budget, no device statistics): each bucket was bisected"
         )
         self.outcome: BucketOutcome | None = None
+        self.prediction = PredictionRecord()
+        self.traced: tuple[float, tuple[float, ...]] | None = None
+        """``search.predict``: the traced fixed memory and each bucket's memory per sample."""
 
     def describe(self, plan: SearchPlan) -> str:
         grouped = self.grouped
@@ -74,8 +80,10 @@ class BucketSearch:
             steps=config.steps_per_trial,
             direction=job.direction,
             cold=job.cold,
+            predict=self._predictor(job) if config.predict == "auto" else None,
         )
         self.outcome = outcome
+        self.note = "; ".join(n for n in (self.note, self.prediction.note) if n)
         if config.objective == "throughput":
             self.buckets.cap_at_fastest(
                 outcome,
@@ -85,6 +93,51 @@ class BucketSearch:
                 warm=config.warm_start and not job.cold,
             )
         return _summary(outcome)
+
+    def _predictor(self, job: SearchJob) -> PredictBuckets | None:
+        """``search.predict: auto``: trace the worst batches of the shortest, the middle and the longest bucket at
+        each one's cap, one step each (:class:`~retune.search.predict_run.Tracer`); every bucket's memory per
+        sample is interpolated over the lengths between them, and its predicted size is the largest the traced
+        line keeps within the limit. None where it cannot predict (the event's note says why)."""
+        record, warn = self.prediction, job.warn_once or _say_nothing
+        reason = why_not_predict(job.trainer, job.stage, self.limit)
+        if reason is not None or self.limit is None:
+            record.fell_back(reason or "no limit", warn)
+            return None
+        limit, prober = self.limit, job.prober
+
+        def predict(buckets: Buckets, uppers: Sequence[int], arrange_of: Callable[[int], Any]) -> TracedBuckets | None:
+            by_length = sorted(range(buckets.count), key=lambda b: (buckets.largest[b], b))
+            chosen = sorted({by_length[0], by_length[len(by_length) // 2], by_length[-1]})
+            peaks: dict[int, float] = {}
+            fixed = 0.0
+            for bucket in chosen:
+                arrange = prober.arrange
+                prober.arrange = arrange_of(bucket)
+                try:
+                    batch = prober.sample_batch(2)
+                finally:
+                    prober.arrange = arrange
+                tracer = Tracer(job.trainer, prober.pl_module, batch)
+                try:
+                    peaks[bucket] = tracer(uppers[bucket])
+                except Untraceable as error:
+                    record.seconds += tracer.seconds
+                    record.fell_back(error.reason, warn)
+                    return None
+                record.seconds += tracer.seconds
+                fixed = tracer.fixed or 0.0
+            measured = [(buckets.largest[b], max(0.0, (peaks[b] - fixed) / uppers[b])) for b in chosen]
+            slopes = tuple(_interpolate(measured, buckets.largest[b]) for b in range(buckets.count))
+            sizes = tuple(
+                uppers[b] if slope <= 0 else max(1, min(uppers[b], int((limit - fixed) // slope)))
+                for b, slope in enumerate(slopes)
+            )
+            record.path = "predicted"
+            self.traced = (fixed, slopes)
+            return TracedBuckets(BucketMemory(fixed, tuple(slopes), None), sizes)
+
+        return predict
 
     def what(self, stage: str) -> str:
         return f"{stage} batch size for the longest samples' bucket"
@@ -101,7 +154,13 @@ class BucketSearch:
 
     def event_fields(self) -> dict[str, Any]:
         outcome = self._outcome()
+        trials = outcome.result.trials
+        prediction = self.prediction.event_fields(len(trials))
+        if self.traced is not None and prediction:
+            fixed, slopes = self.traced
+            prediction["predicted_bytes"] = [round(fixed + t.batch_size * slopes[t.bucket]) for t in trials]
         return {
+            **prediction,
             "largest": _reference_largest(outcome),
             "bucket_sizes": [int(s) for s in outcome.sizes if s is not None],
             "bucket_sizes_before": list(outcome.sizes_before),
@@ -117,6 +176,10 @@ class BucketSearch:
     def _outcome(self) -> BucketOutcome:
         assert self.outcome is not None, "BucketSearch.run has not run"
         return self.outcome
+
+
+def _say_nothing(where: str, message: str) -> None:
+    """Where a search has no way to warn: the event's note still says why it fell back."""
 
 
 def _summary(outcome: BucketOutcome) -> SearchResult:

@@ -16,7 +16,8 @@ one warning says why.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,7 @@ from retune.buckets.throughput import bucket_timings, cap_at_fastest, capped_siz
 from retune.events import Direction
 from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
 from retune.probing.prober import Prober
+from retune.search.predict_run import steady_probes
 from retune.search.throughput import ThroughputPlan, choose_fastest, selection_budget, selection_steps
 
 
@@ -58,6 +60,19 @@ def sampler_that_chooses(loader: Any) -> str | None:
         whole = dataset is not None and hasattr(dataset, "__len__") and sampler.num_samples == len(dataset)
         return None if not sampler.replacement and whole else "RandomSampler with replacement or num_samples"
     return type(sampler).__name__
+
+
+@dataclass(frozen=True)
+class TracedBuckets:
+    """What traces predicted: the memory model as the search's prior, and each bucket's predicted largest size."""
+
+    memory: BucketMemory
+    sizes: tuple[int, ...]
+
+
+PredictBuckets = Callable[[Buckets, Sequence[int], Callable[[int], Any]], "TracedBuckets | None"]
+"""``predict(buckets, uppers, arrange_of)``: the traced prior (None: it fell back); ``arrange_of(bucket)`` is the
+probe arrangement of the bucket's worst batch at 2 samples (its padded length)."""
 
 
 @dataclass
@@ -342,8 +357,13 @@ class TrainBuckets:
         steps: int,
         direction: Direction,
         cold: bool,
+        predict: PredictBuckets | None = None,
     ) -> BucketOutcome:
-        """Probe the buckets (all, or only those whose real steps ran out of memory) and return their sizes."""
+        """Probe the buckets (all, or only those whose real steps ran out of memory) and return their sizes.
+
+        ``predict`` (``search.predict: auto``) traces the buckets' worst batches before any probe
+        (:func:`traced_prior`): the search then starts every bucket at its predicted size and verifies it, with
+        probes that stop at their first steady-state step. Not for an ``oom`` re-search of some buckets."""
         if self.state.seed is None:
             with self.hook.paused():
                 loader = compat.request_dataloader(trainer, "train")
@@ -372,7 +392,13 @@ class TrainBuckets:
             finally:
                 self.current_bucket = None
 
-        with self.hook.paused():
+        traced = None
+        if predict is not None and not failures:
+            with self.hook.paused():
+                traced = predict(buckets, uppers, lambda bucket: arrange_for(bucket, 2))
+            if traced is not None:  # start every bucket at its predicted size: the traces saw the memory as it is
+                prior, previous, direction = traced.memory, list(traced.sizes), "unknown"
+        with self.hook.paused(), steady_probes(prober, True) if traced is not None else nullcontext():
             result = search_buckets(
                 buckets.largest,
                 uppers,
@@ -588,4 +614,12 @@ def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-__all__ = ["BucketOutcome", "BucketState", "DataChange", "TrainBuckets", "sampler_that_chooses"]
+__all__ = [
+    "BucketOutcome",
+    "BucketState",
+    "DataChange",
+    "PredictBuckets",
+    "TracedBuckets",
+    "TrainBuckets",
+    "sampler_that_chooses",
+]

@@ -52,7 +52,7 @@ from torch._subclasses.fake_tensor import (
 
 from retune.compat.fake_trace import logging_silenced, optimizers_replaced
 from retune.compat.stage_steps import hooks_isolated, training_step
-from retune.memory import CpuPeakTracker, resident_bytes
+from retune.memory import CpuPeakTracker, has_optimizer_state, resident_bytes, tensor_bytes
 from retune.prediction.fake_batch import fake_batch
 from retune.prediction.fake_state import fake_training_state, swapped_in
 from retune.probing.sample_sizes import preserved_rng
@@ -74,6 +74,19 @@ class StepTrace:
     resident_bytes: int
     steps: int
     seconds: float
+    created_bytes: int = 0
+    """Optimizer state the traced steps created (0 when it existed for every trainable parameter)."""
+    batch_bytes: int = 0
+    """Bytes of the fake batch's tensors at ``size``: a CPU probe adds its batch to the step's peak."""
+
+    @property
+    def steady_bytes(self) -> int:
+        """The peak of a step taken once the optimizer state exists. Traced with two steps (or with the state
+        there already) it is ``peak_bytes``. Traced with one step that created the state it is that step's
+        peak plus the state's bytes: an upper bound, exact when the peak falls in forward or backward,
+        because at every point of a later step the same tensors are alive plus the state, which the
+        creating step held in part or not at all (:func:`trace_step`'s ``steps=1``)."""
+        return self.peak_bytes + (self.created_bytes if self.steps == 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -101,11 +114,13 @@ def trace_step(
 
     ``steps=None`` traces one step when every trainable parameter already has optimizer state, two
     otherwise: a first step creates the state, so only the second has the steady-state peak (state,
-    gradients and activations alive together). ``device`` puts the fake batch there (default: where
+    gradients and activations alive together). ``steps=1`` where the state does not exist yet costs
+    half and gives :attr:`StepTrace.steady_bytes`, a bound on that peak from the state it created.
+    ``device`` puts the fake batch there (default: where
     the batch's tensors are).
     """
     started = time.perf_counter()
-    count = steps if steps is not None else (1 if _state_exists(optimizers) else 2)
+    count = steps if steps is not None else (1 if has_optimizer_state(optimizers) else 2)
     try:
         with preserved_rng(), _modes_preserved(module), torch.inference_mode(False), torch.enable_grad():
             mode = FakeTensorMode()  # real tensors reaching an op raise: nothing real can be written
@@ -113,13 +128,15 @@ def trace_step(
             fake = fake_batch(batch, size, mode, device)
             with swapped_in(module, state), mode:
                 resident = resident_bytes(module, state.optimizers)
+                batch_bytes = tensor_bytes(fake)
                 with CpuPeakTracker() as tracker:
                     for _ in range(count):
                         step(fake, state.optimizers)
+                created = max(0, resident_bytes(module, state.optimizers) - resident)
             peak = resident + tracker.peak_bytes
     except Exception as error:  # every failure of the trace is a "cannot predict"
         return cannot_predict(error)
-    return StepTrace(size, peak, resident, count, time.perf_counter() - started)
+    return StepTrace(size, peak, resident, count, time.perf_counter() - started, created, batch_bytes)
 
 
 def trace_training_step(
@@ -153,16 +170,6 @@ def cannot_predict(error: BaseException) -> CannotPredict:
         return CannotPredict(f"operator {op} has no fake-tensor implementation (a custom kernel?)", op)
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return CannotPredict(f"the step failed on fake tensors: {type(error).__name__}: {message}"[:500], op)
-
-
-def _state_exists(optimizers: list[torch.optim.Optimizer]) -> bool:
-    return all(
-        len(optimizer.state.get(param, {})) > 0
-        for optimizer in optimizers
-        for group in optimizer.param_groups
-        for param in group["params"]
-        if param.requires_grad
-    )
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from retune.allocator import MemoryStats, fits_within, process_limit, stats_for
 from retune.distributed.collective_guard import PeerFailed
 from retune.distributed.fsdp2 import ShardedTrials
 from retune.errors import RetuneError
-from retune.memory import measure_peak, resident_in_evaluation, tensor_bytes
+from retune.memory import has_optimizer_state, measure_peak, resident_bytes, resident_in_evaluation, tensor_bytes
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.probing.snapshot import TrainingSnapshot, sampler_generators
 from retune.probing.timing import Clock, default_clock, samples_per_second, steady, timed
@@ -110,6 +110,12 @@ class Prober:
         """The largest unreleasable fragmentation measured after a trial this session (reserved but unallocated
         after the cache was emptied): a trial fits only if its peak leaves that much below the limit."""
         self._reserved: int | None = None  # the current trial's peak reserved bytes
+        self.steady_peaks = False
+        """A verifying probe (``search.predict``): a step that creates optimizer state counts the state with its
+        peak, so a one-step trial measures the steady state (see :meth:`_run_steps`)."""
+        self.steady_stop = False
+        """With ``steady_peaks``, every step of a trial being the same batch: stop the trial after its first step
+        with the steady-state peak."""
         self.eval_extra = 0
         """Evaluation inside fit: bytes the training steps leave resident when validation really runs (gradients,
         optimizer state, the state the next step creates for parameters just unfrozen), added to every peak."""
@@ -201,6 +207,25 @@ class Prober:
             self.on_trial(size, ok, agreed_peak, samples_per_second(size, steady(agreed_times)))
         return ok, agreed_peak
 
+    def sample_batch(self, size: int) -> Any:
+        """The first batch a trial at ``size`` would train on, as the loader yields it (on the host), without
+        running a step: what a prediction (:mod:`retune.prediction`) fakes at other sizes. Inside ``session()``;
+        the sampler's generators are put back, and the session's end restores what the loader drew."""
+        assert self._snapshot is not None, "sample_batch() is only valid inside session()"
+        compat.set_batch_attr(self.trainer, self.pl_module, self.batch_arg_name, size)
+        loader = compat.request_dataloader(self.trainer, self.stage)
+        generators = [(g, g.get_state()) for g in sampler_generators(loader)]
+        if self.arrange is not None:
+            loader = self.arrange(loader)
+        batches = compat.probe_batches(self.trainer, self.stage, loader, 1)
+        try:
+            raw, _, _ = next(batches)
+        finally:
+            batches.close()
+            for generator, state in generators:
+                generator.set_state(state)
+        return raw
+
     def _local_trial(self, size: int) -> tuple[str, int | None, BaseException | None]:
         """This process's trial: ``("fits" | "oom" | "error", peak, the error to re-raise)``."""
         assert self._snapshot is not None, "measure() is only valid inside session()"
@@ -258,6 +283,15 @@ class Prober:
 
         With ``time_steps`` each step whose batch holds ``size`` samples is timed: a short last batch of
         a small dataset (the loader cycles) would time another size.
+
+        With ``steady_peaks`` (a verifying probe), on the CPU tracker, a step that creates optimizer state
+        counts the state's bytes with its peak. That sum bounds the next step's peak from above: at every
+        point of the next step the same tensors are alive plus the state, which the creating step held in
+        part or not at all; it is exact where the peak falls in forward or backward, as it does near the
+        memory limit. So a trial of one step at fit start (or just after an unfreeze) is honest about the
+        steps that follow it, which its peak alone is not. A caching allocator's reserved bytes follow no
+        such sum, so there only a step that began with the state is steady. With ``steady_stop`` as well
+        (every step of the trial holds the same batch) the trial ends after its first steady step.
         """
         batches = compat.probe_batches(self.trainer, self.stage, loader, self.steps_per_trial)  # close() ends workers
         device = self.pl_module.device
@@ -271,6 +305,9 @@ class Prober:
         self._times = times
         try:
             for raw, batch_idx, dataloader_idx in batches:
+                steady = self.steady_peaks and self.stage == "train"
+                had_state = steady and has_optimizer_state(optimizers)
+                held = resident_bytes(self.pl_module, optimizers) if steady and not had_state else 0
                 with ExitStack() as stack:
                     reading = (
                         stack.enter_context(
@@ -291,9 +328,15 @@ class Prober:
                     self._reserved = max(self._reserved or 0, reading.peak_reserved)
                 if step_peak is not None and device.type == "cpu":
                     step_peak += tensor_bytes(raw)
+                created = max(0, resident_bytes(self.pl_module, optimizers) - held) if held else 0
+                if step_peak is not None and created and self._stats is None:
+                    step_peak += created  # the state this step created, alive through the next one
                 del batch, raw
                 if step_peak is not None:
                     peak = step_peak if peak is None else max(peak, step_peak)
+                steady_now = had_state or (self._stats is None and created > 0)
+                if steady and self.steady_stop and steady_now and has_optimizer_state(optimizers):
+                    break
         finally:
             batches.close()
         return peak

@@ -62,6 +62,8 @@ CSV_FIELDS = (
     "largest",
     "samples_per_s",
     "trial_samples_per_s",
+    "prediction",
+    "prediction_errors",
 )
 
 StepSeries = Sequence[tuple[int, int]]
@@ -192,6 +194,11 @@ def _csv_row(e: RetuneEvent) -> dict[str, Any]:
         "bucket_largest": _slashed(e.bucket_largest),
         "reference_bucket": _blank(e.reference_bucket),
         "padded_per_step": _blank(e.padded_per_step),
+        "prediction": e.prediction,
+        "prediction_errors": " ".join(
+            f"{t.batch_size}:{'-' if err is None else f'{err:+.4f}'}"
+            for t, err in zip(e.trials, e.prediction_errors, strict=False)
+        ),
     }
 
 
@@ -319,6 +326,17 @@ def chosen_rate(event: RetuneEvent) -> float | None:
     return size_rates(event).get(chosen_size(event))
 
 
+def _predicted(event: RetuneEvent) -> str:
+    """``search.predict``: how the search went, for the summary line (empty when prediction was off)."""
+    if event.prediction == "probed":
+        return " (probed: could not predict)"
+    if event.prediction != "predicted":
+        return ""
+    errors = [e for e in event.prediction_errors if e is not None]
+    spread = f", trace error {min(errors):+.1%} to {max(errors):+.1%}" if errors else ""
+    return f" verifying a prediction (traces {event.prediction_s:.2f}s{spread})"
+
+
 def format_summary(event: RetuneEvent, where: str | None = None) -> str:
     """The one line that ends a search (or reports a recovered step); ``where`` defaults to ``epoch N``."""
     if event.is_recovery:
@@ -332,7 +350,7 @@ def format_summary(event: RetuneEvent, where: str | None = None) -> str:
             f"{where or f'epoch {event.epoch}'}: {event.stage} batch sizes per bucket {before} -> "
             f"{_slashed(event.bucket_sizes)} ({_bucket_throughput(event)}samples up to "
             f"{_slashed(event.bucket_bounds)}; {event.samples_per_step:g} samples per step; {len(event.trials)} "
-            f"trials, {event.duration_s:.2f}s, trigger {event.trigger})"
+            f"trials{_predicted(event)}, {event.duration_s:.2f}s, trigger {event.trigger})"
         )
     fastest = ""
     if event.objective == "throughput":
@@ -347,7 +365,7 @@ def format_summary(event: RetuneEvent, where: str | None = None) -> str:
         fastest += ", "
     return (
         f"{where or f'epoch {event.epoch}'}: {event.stage} batch size {event.batch_size_before} -> "
-        f"{event.batch_size_after} ({fastest}{len(event.trials)} trials, {event.duration_s:.2f}s, "
+        f"{event.batch_size_after} ({fastest}{len(event.trials)} trials{_predicted(event)}, {event.duration_s:.2f}s, "
         f"trigger {event.trigger})"
     )
 

@@ -158,6 +158,16 @@ class SearchConfig(_Config):
         "have fewer distinct sizes).",
     )
 
+    predict: Literal["off", "auto"] = Field(
+        "off",
+        description="auto: trace the training step on fake tensors (no compute, no memory) at a few sizes, jump to "
+        "the largest size the traced peak line keeps within the limit, and verify it with real probes, "
+        "calibrating the prediction on them (a size is used only after a real probe fit); where the step cannot "
+        "be traced (a data-dependent operator, a custom kernel, FSDP2) or there is no limit to predict against "
+        "(no memory.budget, no device statistics), it says why once and searches with real probes. off: real "
+        "probes only (the search set by mode).",
+    )
+
     @field_validator("sample_size")
     @classmethod
     def _dotted_path(cls, value: str | None) -> str | None:

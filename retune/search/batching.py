@@ -17,15 +17,18 @@ imports this one and not the reverse: a fixed search never enters the buckets' c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from retune import compat
+from retune.allocator import process_limit, stats_for
 from retune.events import Direction
 from retune.messages import Say
 from retune.probing.prober import Prober
 from retune.schedule.models import RetuneSchedule
 from retune.search.largest import Mode, SearchPlan, SearchResult, run_model_search, run_search
+from retune.search.predict_run import PredictionRecord, predicted_search
 from retune.search.throughput import (
     ThroughputPlan,
     choose_fastest,
@@ -67,6 +70,8 @@ class SearchJob:
     cold: bool
     state: StageState
     """What the stage's last search found (read only: the search path updates it)."""
+    warn_once: Callable[[str, str], None] | None = None
+    """``warn_once(where, message)``: says a reason once per fit (``search.predict``'s fallback)."""
 
 
 class StageSearch(Protocol):
@@ -133,14 +138,24 @@ class FixedSearch:
         self.mode: str = limits.mode
         self.note = limits.note
         self.limit = limits.limit
-        self.needs_peaks = limits.mode == "model"
+        self.needs_peaks = limits.mode == "model"  # search.predict needs a budget or device stats: peaks anyway
         self.largest: int | None = None
+        self.prediction = PredictionRecord()
+        # search.predict: the limit a prediction aims at (the budget, else what the device's allocator can give)
+        self.predict_limit = limits.limit if limits.limit is not None else limits.budget
+        if self.predict_limit is None:
+            stats = stats_for(limits.device)
+            self.predict_limit = None if stats is None else process_limit(stats)
+        self._trials = 0
 
     def describe(self, plan: SearchPlan) -> str:
         return f"(from {plan.start})"
 
     def run(self, job: SearchJob) -> SearchResult:
-        if self.mode == "model" and self.limit is not None:
+        result = self._predicted(job) if job.schedule.search.predict == "auto" else None
+        if result is not None:
+            pass
+        elif self.mode == "model" and self.limit is not None:
             # after an unfreeze the old slope misleads more than it helps: measure the new one
             prior = None if job.cold or job.direction == "down" else job.state.model
             result = run_model_search(job.plan, job.prober.measure, self.limit, prior)
@@ -149,6 +164,7 @@ class FixedSearch:
         if job.schedule.search.objective == "throughput" and result.size is not None:
             self.largest = result.size
             result = fastest_that_fits(job.prober, result, job.schedule, None if job.cold else job.state.size)
+        self._trials = len(result.trials)
         return result
 
     def what(self, stage: str) -> str:
@@ -161,8 +177,29 @@ class FixedSearch:
                 compat.refresh_progress_bar(job.trainer)
         return before, size, None
 
+    def _predicted(self, job: SearchJob) -> SearchResult | None:
+        """Predict, then verify (:mod:`retune.search.predict_run`); None: it fell back (the note says why)."""
+        prober = job.prober
+        result = predicted_search(
+            job.trainer,
+            prober.pl_module,
+            prober,
+            job.plan,
+            self.predict_limit,
+            stage=job.stage,
+            same_batch=job.schedule.search.probe_samples == "largest",
+            record=self.prediction,
+            warn_once=job.warn_once or _say_nothing,
+        )
+        self.note = "; ".join(n for n in (self.note, self.prediction.note) if n)
+        return result
+
     def event_fields(self) -> dict[str, Any]:
-        return {"largest": self.largest}
+        return {"largest": self.largest, **self.prediction.event_fields(self._trials)}
+
+
+def _say_nothing(where: str, message: str) -> None:
+    """Where a search has no way to warn (a caller without ``warn_once``): the event's note still says it."""
 
 
 def fastest_that_fits(prober: Prober, result: SearchResult, schedule: RetuneSchedule, last: int | None) -> SearchResult:

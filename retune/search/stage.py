@@ -154,7 +154,7 @@ def search_stage(
         time_steps=config.objective == "throughput",
         clock=clock,
     )
-    job = SearchJob(trainer, stage, schedule, plan, prober, direction, cold, state)
+    job = SearchJob(trainer, stage, schedule, plan, prober, direction, cold, state, probe_batches.warn_once)
     try:
         with prober.session():
             result = search.run(job)

@@ -3,8 +3,8 @@
 Writes tests/benchmarks/results/search.json, tests/benchmarks/results/snapshot.json (one torch
 thread), tests/benchmarks/results/snapshot-default-threads.json (torch's default) and
 tests/benchmarks/results/probe_samples.json, tests/benchmarks/results/throughput.json,
-tests/benchmarks/results/lr.json, tests/benchmarks/results/fsdp2.json and
-tests/benchmarks/results/buckets.json. A missed
+tests/benchmarks/results/lr.json, tests/benchmarks/results/fsdp2.json,
+tests/benchmarks/results/buckets.json and tests/benchmarks/results/prediction.json. A missed
 target is reported as FAIL in the output and the JSON; the exit status is non-zero only when a
 benchmark itself crashes.
 """
@@ -19,6 +19,7 @@ from tests.benchmarks import (
     bench_fsdp2,
     bench_lr,
     bench_oom_overhead,
+    bench_prediction,
     bench_probe_samples,
     bench_search,
     bench_snapshot,
@@ -47,6 +48,8 @@ def main() -> int:
     status |= bench_fsdp2.main([])  # 2 gloo processes per strategy, started as subprocesses
     print()
     status |= bench_buckets.main([])  # first vs largest vs buckets on variable-length data, about 13 minutes
+    print()
+    status |= bench_prediction.main([])  # search.predict: auto vs off (issue 29), about 2 minutes
     print(f"\nall benchmarks: {time.perf_counter() - started:.0f}s")
     return status
 

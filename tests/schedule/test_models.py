@@ -79,6 +79,7 @@ def test_defaults_are_filled_in() -> None:
             "scan_limit": None,
             "batching": "fixed",
             "buckets": 6,
+            "predict": "off",
         },
         "memory": {"budget": None},
         "triggers": ({"kind": "fit_start"},),
@@ -235,6 +236,7 @@ def test_json_schema_search_fields_and_modes() -> None:
         "scan_limit",
         "batching",
         "buckets",
+        "predict",
     }
     assert search["mode"]["enum"] == ["power", "binsearch", "model"]
     assert search["objective"]["enum"] == ["largest", "throughput"]

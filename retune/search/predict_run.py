@@ -1,0 +1,181 @@
+"""``search.predict: auto`` in a run: the traces of the run's own training step, agreed across ranks, and
+the verifying probes, or the reason the search falls back to real probes alone.
+
+The traces run inside the probe session (:meth:`retune.probing.prober.Prober.session`), on the batch a
+probe at a small size would train on (:meth:`~retune.probing.prober.Prober.sample_batch`: the same
+``probe_samples`` arrangement, so the same padded length), faked at each traced size. Each trace is one
+step (:attr:`retune.prediction.trace.StepTrace.steady_bytes`: the state it creates counted as alive),
+plus, on a CPU, the batch's bytes, which a CPU probe counts too: the prediction is the quantity a probe
+measures. Under DDP every rank traces its own batch and the ranks agree on the largest prediction at
+each size (one collective per trace), so every rank takes the same sizes and the same decisions; where
+one rank cannot trace, none predicts.
+
+The verifying probes are the search's own (:meth:`~retune.probing.prober.Prober.measure`), with
+``steady_stop`` where every step of a trial holds the same batch (``probe_samples: largest``, a bucket's
+worst batch): a trial then ends after its first step with the steady-state peak (one step once the
+optimizer state exists; on the CPU tracker, the step that creates it, counted with the state), instead
+of ``steps_per_trial`` steps.
+
+Where it cannot predict (no limit to predict against, an evaluation stage, FSDP2, a step that fails on
+fake tensors, a torch without fake tensors), :func:`why_not_predict` or the trace says why, and the
+caller searches as if ``predict`` were ``off``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from retune import compat
+from retune.probing.prober import Prober
+from retune.search.largest import SearchPlan
+from retune.search.predicted import PredictedResult, predict_largest, run_predicted_search
+
+__all__ = ["PredictionRecord", "Tracer", "Untraceable", "predicted_search", "steady_probes", "why_not_predict"]
+
+
+class Untraceable(Exception):
+    """A trace could not run on some rank: ``reason`` says why (every rank raises it together)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def why_not_predict(trainer: Any, stage: str, limit: int | None) -> str | None:
+    """Why this search cannot predict, before any trace (None: it may try)."""
+    if limit is None:
+        return "there is no limit to predict against (no memory.budget and no device memory statistics)"
+    if stage != "train":
+        return f"the {stage} stage is probed: a prediction traces training steps"
+    if compat.is_sharded(trainer):
+        return "FSDP2 shards the state per rank, which the trace does not model yet (FSDPMemTracker is not wired in)"
+    try:
+        import retune.prediction.trace  # noqa: F401  # fake tensors: torch._subclasses.fake_tensor
+    except ImportError as error:  # a torch without the fake-tensor API this build uses
+        return f"this torch ({_torch_version()}) has no usable fake tensors: {error}"
+    return None
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+@dataclass
+class Tracer:
+    """``trace(size)``: the agreed predicted peak at ``size`` on ``batch``; ``seconds`` spent tracing."""
+
+    trainer: Any
+    pl_module: Any
+    batch: Any
+    seconds: float = 0.0
+    traces: int = 0
+    fixed: float | None = None
+    """After a trace: what does not grow with the batch, agreed across ranks (parameters, buffers and optimizer
+    state, traced, plus the trainable parameters' gradients)."""
+
+    def __call__(self, size: int) -> float:
+        from retune.prediction.trace import CannotPredict, trace_training_step
+
+        started = time.perf_counter()
+        result = trace_training_step(self.trainer, self.pl_module, self.batch, size, steps=1)
+        self.seconds += time.perf_counter() - started
+        self.traces += 1
+        if isinstance(result, CannotPredict):
+            local: tuple[float, float] | str = str(result)
+        else:
+            cpu = self.pl_module.device.type == "cpu"
+            grads = sum(p.numel() * p.element_size() for p in self.pl_module.parameters() if p.requires_grad)
+            fixed = float(result.resident_bytes + result.created_bytes + grads)
+            local = (float(result.steady_bytes + (result.batch_bytes if cpu else 0)), fixed)
+        gathered = compat.all_gather_object(self.trainer, local)
+        reasons = [value for value in gathered if isinstance(value, str)]
+        if reasons:
+            raise Untraceable(reasons[0])
+        values = [(float(peak), float(fixed)) for peak, fixed in gathered]
+        self.fixed = max(fixed for _, fixed in values)
+        return max(peak for peak, _ in values)
+
+
+@contextmanager
+def steady_probes(prober: Prober, same_batch: bool) -> Iterator[None]:
+    """The prober's trials measure the steady state inside the block, and stop at their first steady step when
+    ``same_batch`` (see the module doc)."""
+    before = (prober.steady_peaks, prober.steady_stop)
+    prober.steady_peaks, prober.steady_stop = True, same_batch
+    try:
+        yield
+    finally:
+        prober.steady_peaks, prober.steady_stop = before
+
+
+@dataclass
+class PredictionRecord:
+    """What ``search.predict`` did in one search, for its event: ``path`` is ``predicted`` or ``probed`` (empty:
+    not asked), ``reason`` why it fell back, ``predicted`` the traced peak per trial, ``seconds`` tracing."""
+
+    path: str = ""
+    reason: str = ""
+    predicted: list[int | None] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def fell_back(self, reason: str, warn_once: Callable[[str, str], None]) -> None:
+        self.path, self.reason = "probed", reason
+        warn_once("predict", f"search.predict: the batch size is searched with real probes only: {reason}")
+
+    def event_fields(self, trials: int) -> dict[str, Any]:
+        if not self.path:
+            return {}
+        predicted = (self.predicted + [None] * trials)[:trials] if self.path == "predicted" else []
+        return {"prediction": self.path, "predicted_bytes": predicted, "prediction_s": round(self.seconds, 4)}
+
+    @property
+    def note(self) -> str:
+        return f"predict fell back to real probes: {self.reason}" if self.path == "probed" else ""
+
+
+def predicted_search(
+    trainer: Any,
+    pl_module: Any,
+    prober: Prober,
+    plan: SearchPlan,
+    limit: int | None,
+    *,
+    stage: str,
+    same_batch: bool,
+    record: PredictionRecord,
+    warn_once: Callable[[str, str], None],
+) -> PredictedResult | None:
+    """Trace, predict and verify one batch size (inside the probe session). None when it cannot predict: then
+    ``record`` holds the reason, said once per fit through ``warn_once``, and the caller probes as without
+    predict. ``same_batch``: every step of a trial holds the same batch, so a verifying probe may stop at
+    its first steady-state step."""
+    reason = why_not_predict(trainer, stage, limit)
+    if reason is not None or limit is None:
+        record.fell_back(reason or "no limit", warn_once)
+        return None
+    first = max(1, min(plan.upper, plan.start))
+    started = time.perf_counter()
+    try:
+        batch = prober.sample_batch(min(first, 2) if same_batch else first)
+    except Exception as error:  # the loader's own failure shows in the probes that follow, as without predict
+        record.seconds = time.perf_counter() - started
+        record.fell_back(f"no batch to trace ({type(error).__name__}: {error})", warn_once)
+        return None
+    tracer = Tracer(trainer, pl_module, batch, seconds=time.perf_counter() - started)
+    try:
+        prediction = predict_largest(tracer, limit, upper=plan.upper, first=plan.upper, fixed=lambda: tracer.fixed)
+    except Untraceable as error:
+        record.seconds = tracer.seconds
+        record.fell_back(error.reason, warn_once)
+        return None
+    record.path, record.seconds = "predicted", tracer.seconds
+    with steady_probes(prober, same_batch):
+        result = run_predicted_search(plan, prediction, prober.measure, limit)
+    record.predicted = list(result.predicted)
+    return result

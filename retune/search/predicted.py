@@ -1,0 +1,244 @@
+"""Predict, then verify: the largest batch size from traced peaks, each size used verified by a real probe.
+
+A fake-tensor trace of the training step (:mod:`retune.prediction`) predicts its peak at any size for
+a few hundred milliseconds and no memory; a real probe costs real steps. So the search traces first,
+fits the peak line (``fixed + per_sample x size``) and jumps to the size the line predicts as the
+largest within the limit; only then does it probe, and the probe both verifies the size and
+calibrates the prediction (an affine correction of predicted to measured,
+:func:`retune.prediction.fit.calibrate`). From the calibrated line the next size is the largest it
+keeps within the limit, measured from the nearest probed size (up from a size that fit, down from one
+that measured over the limit), so a prediction that errs by a constant or a proportion costs one more
+probe, and a failure that left no peak (a real out-of-memory error) bisects. The search stops, as
+``mode: model`` does, on a size that fit whose measured peak plus one sample's worth of memory would
+pass the limit, or on a closed bracket.
+
+A size is only ever used after a real probe fit: the result is the largest probed size that fit (the
+schedule's margin then cuts it, as for ``binsearch`` and ``model``). The functions here are pure
+logic over ``trace(size)`` and ``measure(size)``; :mod:`retune.search.stage` connects them to the
+traces and probes of a run (:mod:`retune.search.predict_run`).
+
+Example (memory ``1000 + 10 x size``, traced exactly, limit 5000: one probe):
+    >>> from retune.search.largest import SearchPlan
+    >>> peak = lambda size: 1000 + 10 * size
+    >>> prediction = predict_largest(peak, 5000, upper=8192, first=8192, fixed=lambda: 1000)
+    >>> prediction.largest, prediction.traced   # the cap, then where the first trace predicts the answer
+    (400, (8192, 400))
+    >>> plan = SearchPlan(mode="model", start=8, max_trials=25, margin=0.0, upper=8192)
+    >>> result = run_predicted_search(plan, prediction, lambda size: (peak(size) <= 5000, peak(size)), 5000)
+    >>> result.size, [t.batch_size for t in result.trials]
+    (400, [400])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from retune.events import Trial
+from retune.prediction.line import Calibration, PeakLine, calibrate
+from retune.search.largest import MemoryModel, SearchPlan, SearchResult, _apply_margin
+
+__all__ = [
+    "Prediction",
+    "PredictedResult",
+    "predict_largest",
+    "run_predicted_search",
+    "secant_line",
+    "step_from",
+]
+
+MAX_TRACES = 3
+"""Traces of one prediction at most: two for the line, one more where it extrapolates far (a trace of a small
+model on a CPU can cost more than a real step: the probes correct the rest)."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The traced peak line and the largest size it keeps within the limit (0: not even one sample)."""
+
+    line: PeakLine
+    largest: int
+    points: tuple[tuple[int, float], ...]
+    """Every ``(size, traced peak)``, in the order traced."""
+
+    @property
+    def traced(self) -> tuple[int, ...]:
+        return tuple(size for size, _ in self.points)
+
+
+@dataclass
+class PredictedResult(SearchResult):
+    """A :class:`~retune.search.largest.SearchResult` with, per trial, the traced (uncalibrated) peak at its size."""
+
+    predicted: list[int | None] = field(default_factory=list)
+    calibration: Calibration = field(default_factory=Calibration)
+
+
+def secant_line(points: Mapping[int, float], limit: float) -> PeakLine | None:
+    """The line through the two traced points nearest the limit (one each side when possible): memory is
+    convex in the batch size where it bends (a flat optimizer-step peak gives way to activations), so the
+    points near the limit describe it there. None with fewer than two sizes."""
+    if len(points) < 2:
+        return None
+    below = sorted((s for s, p in points.items() if p <= limit), reverse=True)
+    above = sorted(s for s, p in points.items() if p > limit)
+    if below and above:
+        a, b = below[0], above[0]
+    else:
+        side = below if below else above
+        a, b = side[0], side[1]
+    slope = (points[b] - points[a]) / (b - a)
+    return PeakLine(points[a] - slope * a, slope)
+
+
+def predict_largest(
+    trace: Callable[[int], float],
+    limit: float,
+    *,
+    upper: int,
+    first: int,
+    fixed: Callable[[], float | None] | None = None,
+    max_traces: int = MAX_TRACES,
+) -> Prediction:
+    """The largest size the traced peak line keeps within ``limit``, from two traces where they suffice.
+
+    The first trace is at ``first``: the search passes its cap (``max_val`` or the dataset's length), which
+    a trace handles as cheaply as any size, and where memory grows with the batch, whatever the optimizer
+    step's flat peak does among small sizes; when the cap fits, that is the answer. The second is where the
+    first predicts the answer from ``fixed()`` (the memory that does not grow with the batch: parameters,
+    their gradients and optimizer state, as known once the first trace ran), so the line is drawn near the
+    limit; without ``fixed`` it is at a quarter of ``first`` (four times, when ``first`` fits). Where the
+    line then extrapolates beyond twice the largest size traced (or below half the smallest), that size is
+    traced too (up to ``max_traces``), and the line runs through the two traces nearest the limit.
+    ``trace(size)`` is the predicted peak at ``size``;
+    it may raise (the caller turns that into a fallback).
+    """
+    a = max(1, min(upper, first))
+    peak_a = trace(a)
+    if peak_a <= limit and a == upper:
+        return Prediction(PeakLine(peak_a, 0.0), upper, ((a, peak_a),))
+    b = max(1, a // 4) if peak_a > limit else min(upper, a * 4)
+    base = None if fixed is None else fixed()
+    if base is not None and peak_a > base:
+        b = max(1, PeakLine(base, (peak_a - base) / a).largest_within(limit, upper))
+    points: dict[int, float] = {a: peak_a}
+    order = [a]
+    if b != a:
+        points[b] = trace(b)
+        order.append(b)
+    while True:
+        line = secant_line(points, limit) or PeakLine(peak_a, 0.0)
+        largest = line.largest_within(limit, upper)
+        far = largest > 2 * max(points) or (1 <= largest < min(points) // 2)
+        if not far or len(points) >= max_traces or largest in points or largest < 1:
+            break
+        points[largest] = trace(largest)
+        order.append(largest)
+    return Prediction(line, largest, tuple((size, points[size]) for size in order))
+
+
+def step_from(measured: Mapping[int, int], lo: int | None, hi: int | None, slope: float, limit: float) -> int | None:
+    """The size the calibrated slope reaches from the nearest probed size: up from the largest that fit, down
+    from the smallest that measured over the limit. None without a measured neighbour or a positive slope."""
+    if slope <= 0:
+        return None
+    if lo is not None and lo in measured:
+        return lo + math.floor((limit - measured[lo]) / slope)
+    over = [s for s, p in measured.items() if p > limit and (hi is None or s >= hi)]
+    if over:
+        size = min(over)
+        return size - math.ceil((measured[size] - limit) / slope)
+    return None
+
+
+def run_predicted_search(
+    plan: SearchPlan,
+    prediction: Prediction,
+    measure: Callable[[int], tuple[bool, int | None]],
+    limit: int,
+) -> PredictedResult:
+    """Verify the predicted largest size with real probes and correct it until the largest probed fit is the
+    largest the calibrated line allows (see the module doc). ``plan`` gives the bounds, the known failure
+    and the trial budget; its start is not used (the prediction is)."""
+    lo: int | None = None
+    hi: int | None = plan.known_fail
+    measured: dict[int, int] = {}
+    pairs: list[tuple[float, float]] = []
+    result = PredictedResult(None, None, None)
+    line = prediction.line
+    calibration = Calibration()
+    size: int | None = _clamp(max(1, prediction.largest), lo, hi, plan.upper)
+    while size is not None:
+        ok, peak = measure(size)
+        result.trials.append(Trial(size, ok))
+        result.peaks.append(peak)
+        result.predicted.append(round(line.predict(size)))
+        if peak is not None:
+            measured[size] = peak
+            pairs.append((line.predict(size), float(peak)))
+            calibration = calibrate(pairs)
+        if ok:
+            lo = size if lo is None else max(lo, size)
+        else:
+            hi = size if hi is None else min(hi, size)
+        if len(result.trials) >= plan.max_trials:
+            break
+        size = _next(plan, line, calibration, measured, lo, hi, limit)
+    result.size = _apply_margin(plan, lo, memory_bound=True)
+    result.max_fitting, result.min_failing = lo, hi
+    result.calibration = calibration
+    corrected = _corrected(line, calibration)
+    result.model = MemoryModel(corrected.fixed, corrected.per_sample)
+    return result
+
+
+def _corrected(line: PeakLine, calibration: Calibration) -> PeakLine:
+    return PeakLine(calibration.apply(line.fixed), calibration.scale * line.per_sample)
+
+
+def _next(
+    plan: SearchPlan,
+    line: PeakLine,
+    calibration: Calibration,
+    measured: Mapping[int, int],
+    lo: int | None,
+    hi: int | None,
+    limit: int,
+) -> int | None:
+    if lo is not None and (lo >= plan.upper or (hi is not None and hi - lo <= 1)):
+        return None
+    if lo is None and hi is not None and hi <= 1:
+        return None
+    corrected = _corrected(line, calibration)
+    slope = corrected.per_sample
+    if lo is not None and lo in measured and measured[lo] + max(_slope_left_of(measured, lo, slope), 0.0) > limit:
+        return None  # measured at lo, and one more sample's memory would pass the limit
+    candidate = step_from(measured, lo, hi, slope, limit)
+    if candidate is None and not measured:
+        candidate = corrected.largest_within(limit, plan.upper)
+    if candidate is None or (hi is not None and candidate >= hi):
+        # no peak to step from, or the line says a size that failed fits (a real out-of-memory error left no
+        # peak to correct it with): bisect the bracket
+        candidate = hi // 2 if lo is None and hi is not None else (lo or 0) + ((hi or 2 * (lo or 1)) - (lo or 0)) // 2
+    return _clamp(candidate, lo, hi, plan.upper)
+
+
+def _slope_left_of(measured: Mapping[int, int], size: int, calibrated: float) -> float:
+    """Memory one more sample adds at ``size``: the measured secant from the nearest smaller probed size when
+    there is one (memory is convex where it bends, so that secant does not overstate it, and stopping on it
+    never skips a size that fits), else the calibrated line's slope."""
+    smaller = [s for s in measured if s < size]
+    if not smaller:
+        return calibrated
+    nearest = max(smaller)
+    return (measured[size] - measured[nearest]) / (size - nearest)
+
+
+def _clamp(candidate: int, lo: int | None, hi: int | None, upper: int) -> int | None:
+    """``candidate`` inside the open bracket ``(lo, hi)`` and ``1..upper``; None when the bracket is closed."""
+    floor = 1 if lo is None else lo + 1
+    ceiling = upper if hi is None else min(upper, hi - 1)
+    if floor > ceiling:
+        return None
+    return max(floor, min(ceiling, candidate))

@@ -1,0 +1,298 @@
+"""``search.predict: auto``: predict the largest batch size from fake-tensor traces, then verify it with real probes.
+
+The pure algorithm (:mod:`retune.search.predicted`) is checked on synthetic memory curves: an exact trace
+costs one probe, a trace off by a constant or a proportion two, a curved memory still ends on the true
+largest size, and every size a result may use was probed and fit. The wiring is checked on real fits
+against the CPU tracker (budgets, no OOM oracle: a probe fails only by measuring over the budget):
+
+* a model whose memory is linear in the batch size reaches the exact largest size with <= 2 real probes,
+  the same size a ``binsearch`` of two steps per trial finds (two steps: the second has the steady-state
+  peak, optimizer state, gradients and activations alive together, which a verifying probe of one step
+  accounts for by counting the state the step creates);
+* a step with a data-dependent operator (``nonzero``) falls back, says why once, and finds the sizes the
+  search finds without ``predict``;
+* no trace of the prediction is left: a run whose search lands on the size it starts with ends with the
+  same weights, optimizer state, RNG and data order as the same run without the callback.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from retune import ScheduledBatchSizeFinder
+from retune.events import RetuneEvent
+from retune.reports.batch_size import format_summary
+from retune.search.largest import SearchPlan
+from retune.search.predicted import Prediction, predict_largest, run_predicted_search
+from tests.lightning_ns import pl
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- the algorithm on synthetic curves -------------------------------------------------------------------
+
+
+def _curve(fixed: float, per_sample: float, quadratic: float = 0.0):  # type: ignore[no-untyped-def]
+    return lambda size: int(fixed + per_sample * size + quadratic * size * size)
+
+
+def _search(true_peak: Any, traced_peak: Any, limit: int, upper: int = 8192) -> tuple[Prediction, Any]:
+    prediction = predict_largest(traced_peak, limit, upper=upper, first=upper, fixed=lambda: traced_peak(0))
+    plan = SearchPlan("model", 2, 25, 0.0, upper)
+    return prediction, run_predicted_search(plan, prediction, lambda s: (true_peak(s) <= limit, true_peak(s)), limit)
+
+
+def _true_max(peak: Any, limit: int, upper: int = 8192) -> int:
+    return max((s for s in range(1, upper + 1) if peak(s) <= limit), default=0)
+
+
+@pytest.mark.parametrize(("fixed", "per_sample"), [(1e6, 1000), (5e5, 3333), (2e6, 700), (2.5e6, 1)])
+def test_an_exact_trace_costs_one_probe_on_linear_memory(fixed: float, per_sample: float) -> None:
+    peak = _curve(fixed, per_sample)
+    prediction, result = _search(peak, peak, 3_000_000)
+    assert result.size == _true_max(peak, 3_000_000)
+    assert len(result.trials) == 1 and len(prediction.points) <= 2
+
+
+@pytest.mark.parametrize(
+    ("scale", "offset", "probes"),
+    [(1.0, 50_000, 2), (1.0, -50_000, 2), (0.9, 0, 2), (0.97, 30_000, 3), (1.1, 0, 3), (1.05, -20_000, 3)],
+)
+def test_a_trace_off_by_an_affine_error_costs_two_or_three_probes(scale: float, offset: float, probes: int) -> None:
+    """One probe cannot tell a constant error from a proportional one; the correction it picks is the one that
+    predicts more above the probe (:func:`retune.prediction.fit.calibrate`), so a trace that predicted too much
+    in proportion creeps up in a second step, and the third probe's two points give the exact line."""
+    true = _curve(1e6, 1000)
+    traced = lambda size: scale * true(size) + offset  # noqa: E731
+    _, result = _search(true, traced, 3_000_000)
+    assert result.size == _true_max(true, 3_000_000)
+    assert len(result.trials) <= probes, result.trials
+
+
+@pytest.mark.parametrize("quadratic", [0.3, 0.05])
+def test_curved_memory_still_ends_on_the_true_largest_size(quadratic: float) -> None:
+    true = _curve(1e6, 900, quadratic)
+    traced = _curve(1e6, 900)  # the trace misses the curve entirely: the probes correct it
+    _, result = _search(true, traced, 3_000_000)
+    assert result.size == _true_max(true, 3_000_000)
+    assert all(fits == (true(size) <= 3_000_000) for size, fits in result.trials)
+
+
+def test_a_real_out_of_memory_error_without_a_peak_bisects_down() -> None:
+    traced = _curve(1e6, 1000)  # predicts 2000; the device fails above 700 and leaves no peak
+
+    def measure(size: int) -> tuple[bool, int | None]:
+        return (True, traced(size)) if size <= 700 else (False, None)
+
+    prediction = predict_largest(traced, 3_000_000, upper=8192, first=8192, fixed=lambda: 1e6)
+    result = run_predicted_search(SearchPlan("model", 2, 25, 0.0, 8192), prediction, measure, 3_000_000)
+    assert result.size == 700
+    assert result.trials[0].batch_size == 2000
+
+
+def test_every_size_a_result_uses_was_probed_and_fit() -> None:
+    for quadratic in (0.0, 0.02, 0.2):
+        true = _curve(8e5, 1300, quadratic)
+        _, result = _search(true, _curve(1e6, 1000), 3_000_000)
+        assert result.size is not None
+        assert (result.size, True) in [(t.batch_size, t.fits) for t in result.trials]
+
+
+def test_the_cap_is_the_answer_when_it_fits_after_one_trace() -> None:
+    peak = _curve(1e6, 10)
+    prediction, result = _search(peak, peak, 3_000_000, upper=1000)
+    assert prediction.traced == (1000,)
+    assert result.size == 1000 and [t.batch_size for t in result.trials] == [1000]
+
+
+# -- the wiring, on real fits ---------------------------------------------------------------------------------
+
+
+class WideMLP(pl.LightningModule):  # type: ignore[misc,name-defined]
+    """Memory linear in the batch size (wide activations, Adam state); ``nonzero`` makes the step untraceable."""
+
+    def __init__(self, batch_size: int = 4, n: int = 2048, nonzero: bool = False) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        self.nonzero = nonzero
+        g = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.nonzero:
+            x = x * ((x > 0).nonzero().shape[0] / x.numel())  # an output shape that depends on the data
+        return F.cross_entropy(self.net(x), y)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def _schedule(mode: str, predict: str, steps: int = 2, **search: Any) -> dict[str, Any]:
+    return {
+        "search": {"mode": mode, "margin": 0.0, "steps_per_trial": steps, "predict": predict, **search},
+        "memory": {"budget": "4MiB"},
+        "triggers": [{"kind": "fit_start"}],
+    }
+
+
+def _fit(schedule: dict[str, Any] | None, model: WideMLP, epochs: int = 1) -> ScheduledBatchSizeFinder | None:
+    finder = None if schedule is None else ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        callbacks=[] if finder is None else [finder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_train_batches=2,
+        accelerator="cpu",
+        devices=1,
+    )
+    trainer.fit(model)
+    return finder
+
+
+def _event(schedule: dict[str, Any], model: WideMLP) -> RetuneEvent:
+    pl.seed_everything(0)
+    finder = _fit(schedule, model)
+    assert finder is not None
+    return finder.history[0]
+
+
+@pytest.mark.parametrize("mode", ["model", "binsearch"])
+def test_linear_memory_reaches_the_exact_largest_size_in_at_most_two_probes(mode: str) -> None:
+    exact = _event(_schedule("binsearch", "off"), WideMLP())
+    predicted = _event(_schedule(mode, "auto"), WideMLP())
+    assert predicted.prediction == "predicted" and predicted.note == ""
+    assert predicted.batch_size_after == exact.batch_size_after
+    assert len(predicted.trials) <= 2 < len(exact.trials)
+    assert (predicted.batch_size_after, True) in [(t.batch_size, t.fits) for t in predicted.trials]
+    assert len(predicted.predicted_bytes) == len(predicted.trials)
+    errors = [e for e in predicted.prediction_errors if e is not None]
+    assert errors and all(abs(e) <= 0.01 for e in errors), errors  # the trace counts what the CPU tracker counts
+    assert 0 < predicted.prediction_s < predicted.duration_s
+    assert "verifying a prediction (traces" in format_summary(predicted)
+
+
+def test_a_one_step_verifying_probe_counts_the_optimizer_state_it_creates() -> None:
+    """One step per trial at fit start measures the step that creates Adam's state, whose peak misses the
+    state alive with the activations of every later step; a verifying probe counts the state it created,
+    so it agrees with the two-step binsearch (the steady state) and not with the one-step one."""
+    two_steps = _event(_schedule("binsearch", "off", steps=2), WideMLP())
+    one_step = _event(_schedule("binsearch", "off", steps=1), WideMLP())
+    predicted = _event(_schedule("model", "auto", steps=1), WideMLP())
+    assert one_step.batch_size_after > two_steps.batch_size_after  # the one-step search is too optimistic
+    assert predicted.batch_size_after == two_steps.batch_size_after
+
+
+def test_an_untraceable_step_falls_back_says_why_once_and_finds_the_same_size() -> None:
+    today = _event(_schedule("model", "off"), WideMLP(nonzero=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fallback = _event(_schedule("model", "auto"), WideMLP(nonzero=True))
+    assert fallback.prediction == "probed" and fallback.predicted_bytes == []
+    assert "aten.nonzero" in fallback.note and "predict fell back to real probes" in fallback.note
+    assert "probed: could not predict" in format_summary(fallback)
+    assert fallback.batch_size_after == today.batch_size_after
+    assert [tuple(t) for t in fallback.trials] == [tuple(t) for t in today.trials]
+    said = [str(w.message) for w in caught if "search.predict" in str(w.message)]
+    assert len(said) == 1 and "aten.nonzero" in said[0], said
+
+
+def test_without_a_limit_it_falls_back_with_the_reason() -> None:
+    schedule = _schedule("binsearch", "auto", max_val=64)
+    schedule["memory"] = {"budget": None}
+    event = _event(schedule, WideMLP())
+    assert event.prediction == "probed" and "no limit to predict against" in event.note
+    assert event.batch_size_after == 64
+
+
+def test_prediction_off_leaves_the_event_as_before() -> None:
+    event = _event(_schedule("model", "off"), WideMLP())
+    assert event.prediction == "" and event.predicted_bytes == [] and event.prediction_s == 0.0
+    assert "prediction" in RetuneEvent.from_dict(event.to_dict()).to_dict()
+
+
+def _state(model: WideMLP, trainer_optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "optimizer": trainer_optimizer.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+
+
+def test_a_prediction_leaves_no_trace_in_the_run() -> None:
+    """The search lands on the size the model starts with (found first, margin 0), so a run with the search
+    and one without train the same batches: weights, optimizer state and RNG must end identical."""
+    size = _event(_schedule("model", "auto"), WideMLP()).batch_size_after
+    runs = []
+    for schedule in (_schedule("model", "auto"), None):
+        pl.seed_everything(0)
+        model = WideMLP(batch_size=size)
+        finder = _fit(schedule, model, epochs=2)
+        if finder is not None:
+            assert [e.batch_size_after for e in finder.history] == [size]
+            assert finder.history[0].prediction == "predicted"
+        optimizer = model.trainer.optimizers[0]
+        runs.append(_state(model, optimizer))
+    with_search, without = runs
+    for a, b in zip(with_search["params"], without["params"], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(with_search["rng"], without["rng"])
+    state_a, state_b = with_search["optimizer"]["state"], without["optimizer"]["state"]
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        for name in state_a[key]:
+            assert torch.equal(state_a[key][name], state_b[key][name]), (key, name)
+
+
+# -- buckets --------------------------------------------------------------------------------------------------
+
+
+def test_buckets_with_prediction_verify_every_bucket_and_fit_the_budget() -> None:
+    """``batching: buckets`` with ``predict: auto`` on the long-tail token data of the bucket tests, frozen in
+    epoch 0 and unfrozen at epoch 1: both searches predict, every bucket's size was verified by a probe of
+    that bucket, every real step fits the budget (measured independently, ``StepPeaks``), and the sizes are
+    within a few percent of the search without predict."""
+    from tests.test_buckets_fit import BUDGET
+    from tests.test_buckets_fit import _fit as bucket_fit
+
+    plain = bucket_fit(epochs=2, frozen=True, unfreeze_at=1)["finder"].history
+    run = bucket_fit(epochs=2, frozen=True, unfreeze_at=1, predict="auto")
+    history, peaks = run["finder"].history, run["peaks"]
+    assert [e.prediction for e in history] == ["predicted", "predicted"]
+    assert max(peaks.peaks) <= BUDGET, max(peaks.peaks) / BUDGET
+    for event, before in zip(history, plain, strict=True):
+        assert len(event.predicted_bytes) == len(event.trials)
+        assert event.prediction_s > 0
+        for bucket, size in enumerate(event.bucket_sizes):
+            longer_fit = [
+                t.batch_size
+                for t, b in zip(event.trials, event.trial_buckets, strict=True)
+                if t.fits and event.bucket_bounds[b] >= event.bucket_bounds[bucket]
+            ]
+            # a size is used only at or below one a real probe found to fit, in its bucket or a longer one
+            assert max(longer_fit, default=0) >= size, f"bucket {bucket}'s size {size} was never verified"
+        for a, b in zip(event.bucket_sizes, before.bucket_sizes, strict=True):
+            assert abs(a - b) <= max(2, 0.1 * b), (event.bucket_sizes, before.bucket_sizes)
