@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -167,6 +167,16 @@ class SearchConfig(_Config):
         "(no memory.budget, no device statistics), it says why once and searches with real probes. off: real "
         "probes only (the search set by mode).",
     )
+
+    @field_validator("predict", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: Any) -> Any:
+        # YAML 1.1 (PyYAML) reads a bare `off` as false and `on` as true: `predict: off` means "off"
+        if value is False:
+            return "off"
+        if value is True:
+            return "auto"
+        return value
 
     @field_validator("sample_size")
     @classmethod

@@ -14,7 +14,7 @@ overhead, as the probes' do, so the ratio compares like with like.
 Also: fixed batching, ``mode: model``, cold, on a model whose memory is linear in the batch size
 (``tests/test_predicted_search.WideMLP``): real probes to the largest size with and without predict; and
 the prediction error of the fake trace against the CPU tracker's measured peak of a real step, per
-scenario (MLP, CNN, BERT, GPT-2 + LoRA: ``tests/prediction_models.py``).
+scenario (MLP, CNN, BERT, GPT-2 + LoRA: ``tests/helpers/prediction_models.py``).
 
 Run: ``python -m tests.benchmarks.bench_prediction`` (writes tests/benchmarks/results/prediction.json).
 """
@@ -36,7 +36,7 @@ from retune import ScheduledBatchSizeFinder
 from retune.schedule.models import parse_byte_size
 from tests.benchmarks import bench_buckets
 from tests.benchmarks.bench_snapshot import RESULTS
-from tests.lightning_ns import NAMESPACE, PRECISION_32, pl, seed
+from tests.helpers.lightning_ns import NAMESPACE, PRECISION_32, pl, seed
 
 BUDGET = "48MiB"
 
@@ -142,7 +142,7 @@ class Meter(bench_buckets.Meter):
 
 
 def fixed_probes() -> dict[str, Any]:
-    from tests.test_predicted_search import WideMLP, _fit, _schedule
+    from tests.prediction.test_predicted_search import WideMLP, _fit, _schedule
 
     out = {}
     for predict in ("off", "auto"):
@@ -164,7 +164,7 @@ def prediction_errors() -> dict[str, Any]:
     from retune.compat.stage_steps import hooks_isolated, training_step
     from retune.memory import measure_peak
     from retune.prediction import StepTrace, trace_training_step
-    from tests.prediction_models import SCENARIOS, at_train_start
+    from tests.helpers.prediction_models import SCENARIOS, at_train_start
 
     out: dict[str, Any] = {}
     for name, make in SCENARIOS.items():

@@ -313,3 +313,16 @@ def test_yaml_merge_keys_are_accepted(tmp_path: Path) -> None:
     )
     schedule = load_schedule(path)
     assert [getattr(t, "min_fraction", None) for t in schedule.triggers] == [None, 0.1, 0.5]
+
+
+@pytest.mark.parametrize(("written", "meant"), [("off", "off"), ("auto", "auto"), ("false", "off"), ("true", "auto")])
+def test_predict_off_in_yaml_means_off(tmp_path: Path, written: str, meant: str) -> None:
+    """YAML 1.1 reads a bare ``off`` as false: ``search.predict: off`` must still mean "off", not an error."""
+    path = tmp_path / "schedule.yaml"
+    path.write_text(f"triggers: [{{kind: fit_start}}]\nsearch:\n  predict: {written}\n", encoding="utf-8")
+    assert load_schedule(path).search.predict == meant
+
+
+def test_predict_refuses_other_values() -> None:
+    with pytest.raises(ScheduleError, match=r"search\.predict"):
+        load_schedule({"triggers": [{"kind": "fit_start"}], "search": {"predict": "sometimes"}})

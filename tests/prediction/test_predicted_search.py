@@ -32,7 +32,7 @@ from retune.events import RetuneEvent
 from retune.reports.batch_size import format_summary
 from retune.search.largest import SearchPlan
 from retune.search.predicted import Prediction, predict_largest, run_predicted_search
-from tests.lightning_ns import pl
+from tests.helpers.lightning_ns import pl
 
 MiB = 1 << 20
 
@@ -275,8 +275,8 @@ def test_buckets_with_prediction_verify_every_bucket_and_fit_the_budget() -> Non
     epoch 0 and unfrozen at epoch 1: both searches predict, every bucket's size was verified by a probe of
     that bucket, every real step fits the budget (measured independently, ``StepPeaks``), and the sizes are
     within a few percent of the search without predict."""
-    from tests.test_buckets_fit import BUDGET
-    from tests.test_buckets_fit import _fit as bucket_fit
+    from tests.buckets.test_fit import BUDGET
+    from tests.buckets.test_fit import _fit as bucket_fit
 
     plain = bucket_fit(epochs=2, frozen=True, unfreeze_at=1)["finder"].history
     run = bucket_fit(epochs=2, frozen=True, unfreeze_at=1, predict="auto")
