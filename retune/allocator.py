@@ -43,9 +43,13 @@ class AllocatorReading:
     """One reading of a caching allocator's counters, in bytes (peaks since the last reset)."""
 
     allocated: int
+    """Bytes held by live tensors now (``memory_allocated``)."""
     reserved: int
+    """Bytes the caching allocator holds from the device now, in use or cached (``memory_reserved``)."""
     peak_allocated: int
+    """Highest ``allocated`` since the last peak reset (``max_memory_allocated``)."""
     peak_reserved: int
+    """Highest ``reserved`` since the last peak reset (``max_memory_reserved``)."""
 
 
 class MemoryStats(Protocol):
@@ -65,7 +69,11 @@ class MemoryStats(Protocol):
 
 
 class CudaMemoryStats:
-    """:class:`MemoryStats` of one CUDA device, from torch's own counters."""
+    """:class:`MemoryStats` of one CUDA device, from torch's own counters.
+
+    Args:
+        device: the CUDA device whose counters to read.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -100,13 +108,21 @@ _provider: Callable[[torch.device], MemoryStats | None] = _default_stats
 
 
 def stats_for(device: torch.device) -> MemoryStats | None:
-    """The allocator statistics of ``device``, or None where it has none (CPU: the peak tracker measures there)."""
+    """The allocator statistics of ``device``, or None where it has none (CPU: the peak tracker measures there).
+
+    Args:
+        device: the device a probe runs on.
+    """
     return _provider(device)
 
 
 @contextmanager
 def use_memory_stats(provider: Callable[[torch.device], MemoryStats | None]) -> Iterator[None]:
-    """Read allocator statistics from ``provider`` inside the block (tests: a simulated caching allocator)."""
+    """Read allocator statistics from ``provider`` inside the block (tests: a simulated caching allocator).
+
+    Args:
+        provider: ``provider(device) -> MemoryStats | None``, used instead of CUDA's counters inside the block.
+    """
     global _provider
     previous, _provider = _provider, provider
     try:
@@ -117,6 +133,9 @@ def use_memory_stats(provider: Callable[[torch.device], MemoryStats | None]) -> 
 
 def process_limit(stats: MemoryStats) -> int:
     """The bytes this process can reserve: free device memory plus its own reserved, within its fraction.
+
+    Args:
+        stats: the device allocator's statistics.
 
     Example (an H200 shared with another process, this one capped at 2 GiB):
         >>> GiB = 2**30
@@ -137,6 +156,12 @@ def process_limit(stats: MemoryStats) -> int:
 
 def fits_within(peak_allocated: int, peak_reserved: int | None, limit: int, headroom: int) -> bool:
     """Whether a probe's peaks fit: reserved within ``limit``, and allocated leaving ``headroom`` for fragmentation.
+
+    Args:
+        peak_allocated: the probe's peak allocated bytes.
+        peak_reserved: the probe's peak reserved bytes (None: no caching allocator, as on the CPU).
+        limit: the bytes a step may use (the budget, or :func:`process_limit`).
+        headroom: bytes kept free for fragmentation, measured after the trials.
 
     Example (the issue's numbers, 2 GiB limit, 215 MiB measured unusable):
         >>> GiB, MiB = 2**30, 2**20

@@ -22,6 +22,10 @@ class ScheduleError(ValueError):
     Subclasses :class:`ValueError` so code that validates configs generically still catches it.
     The message names the source, the field path, the bad value and what is allowed; ``problems``
     keeps the same information structured for tools.
+
+    Args:
+        source: the file path the schedule came from, or ``<dict>``.
+        problems: every problem found, each a field path and a message.
     """
 
     def __init__(self, source: str, problems: list[FieldProblem]) -> None:

@@ -29,16 +29,29 @@ class RetuneEvent:
     """
 
     epoch: int
+    """The epoch at whose start the search ran (or in which the recovered step ran)."""
     global_step: int
+    """Optimizer steps taken when it ran."""
     trigger: str
+    """The trigger kind that fired; several firing together are joined by ``+``
+    (``epoch+trainable_params_changed``)."""
     stage: str
+    """``train``, ``val``, ``test`` or ``predict``: whose batch size was searched."""
     batch_size_before: int
+    """The stage's batch size before the search."""
     batch_size_after: int
+    """The batch size the search applied (the same as before for a recovered step)."""
     trials: list[Trial] = field(default_factory=list)
+    """The sizes probed, in the order tried, each with whether a real step at that size fit."""
     duration_s: float = 0.0
+    """Wall-clock seconds the search took, probes and state restores included."""
     direction: str = "unknown"
+    """``cold`` for a search from ``init_val``, else what the trigger implied for the warm start: ``down``,
+    ``up`` or ``unknown``."""
     max_fitting: int | None = None
+    """The largest size that fit in this search (None: none fit)."""
     min_failing: int | None = None
+    """The smallest size that failed in this search (None: none failed)."""
     peak_bytes: list[int | None] = field(default_factory=list)
     """Measured peak memory of each trial, in the order of ``trials`` (None where not measurable)."""
     budget_bytes: int | None = None
@@ -52,6 +65,7 @@ class RetuneEvent:
     mode: str = ""
     """The search mode that ran (``model`` falls back to ``binsearch`` without memory statistics)."""
     note: str = ""
+    """Why the search ended as it did, in words, when that needs saying (a fallback, a cap by the dataset)."""
     micro_batches: int = 0
     """For a recovered out-of-memory step (trigger ``oom``): how many micro-batches the batch trained as.
     0 for a search. Such an event has no trials and leaves the batch size as it was."""

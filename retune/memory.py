@@ -119,7 +119,12 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:
     """Bytes of the training state that outlives a step: parameters, buffers and optimizer state,
     each storage counted once. Gradients are left out: every step frees them (``zero_grad``) before
-    its forward, and the tracker counts the ones backward allocates again."""
+    its forward, and the tracker counts the ones backward allocates again.
+
+    Args:
+        module: the LightningModule (or any module) being trained.
+        optimizers: its optimizers, whose state counts.
+    """
     seen: dict[int, int] = {}
 
     def add(tensor: Any) -> None:
@@ -141,7 +146,11 @@ def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Opt
 def has_optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
     """Whether every trainable parameter of ``optimizers`` has its optimizer state: a step taken now has the
     steady-state peak (state, gradients and activations alive together); before the first step, or for
-    parameters just unfrozen, the step creates that state after its activations are freed."""
+    parameters just unfrozen, the step creates that state after its activations are freed.
+
+    Args:
+        optimizers: the optimizers whose trainable parameters to check.
+    """
     return all(
         len(optimizer.state.get(param, {})) > 0
         for optimizer in optimizers
@@ -247,6 +256,9 @@ def tensor_bytes(obj: Any) -> int:
     knows: Hugging Face's ``BatchEncoding`` is a ``UserDict``, which pytree treats as one opaque leaf
     (its tensors would count as 0 bytes). So mappings of any kind, sequences and dataclasses are
     walked here, and pytree is asked only about the rest (its registered containers).
+
+    Args:
+        obj: a batch: a tensor, or containers (mappings, sequences, dataclasses, pytrees) holding tensors.
     """
     seen: dict[int, int] = {}
     for tensor in _batch_tensors(obj, set()):
@@ -279,7 +291,11 @@ def _batch_tensors(obj: Any, visited: set[int]) -> Iterator[torch.Tensor]:
 
 
 def device_total_bytes(device: torch.device) -> int | None:
-    """Total memory of the device a budget fraction refers to (physical RAM for the CPU)."""
+    """Total memory of the device a budget fraction refers to (physical RAM for the CPU).
+
+    Args:
+        device: the device a ``memory.budget`` fraction is of.
+    """
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
     if device.type == "cpu":
@@ -299,8 +315,12 @@ class PeakReading:
     """
 
     peak_bytes: int | None = None
+    """Peak allocated bytes during the block (None: no statistic on this device)."""
     source: str = "none"
+    """Where the peak came from: ``allocator`` (device statistics), ``cpu-tracker`` (the CPU peak tracker) or
+    ``none``."""
     peak_reserved: int | None = None
+    """Peak bytes a caching allocator reserved during the block (None on the CPU)."""
 
 
 @contextmanager
@@ -319,6 +339,13 @@ def measure_peak(
     now: :func:`resident_in_evaluation`). The
     reading is filled in even when the block raises (a budget check needs the peak of a probe that
     ran fine but used too much; an OOM leaves it partial, which the caller ignores).
+
+    Args:
+        device: the device the step runs on.
+        module: the module being trained (the CPU tracker counts its resident state).
+        optimizers: its optimizers (their state is resident too).
+        stats: the device allocator's statistics; None: :func:`retune.allocator.stats_for` of ``device``.
+        extra: bytes added to both peaks (state resident when the real step runs but not now).
     """
     reading = PeakReading()
     stats = stats if stats is not None else stats_for(device)

@@ -37,7 +37,11 @@ _OOM_MESSAGES = (
 
 
 def is_oom_error(exc: BaseException) -> bool:
-    """True when ``exc`` says the device ran out of memory."""
+    """True when ``exc`` says the device ran out of memory.
+
+    Args:
+        exc: the exception a training step or probe raised.
+    """
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True  # MemoryError: host RAM exhausted by the step's Python side (collate, numpy)
     if not isinstance(exc, RuntimeError):

@@ -65,6 +65,9 @@ def default_schedule(strategy: str | FinetuningStrategies) -> dict[str, Any]:
     ``param_groups_changed`` is the exact signal of a Flash unfreeze (Flash adds the unfrozen
     parameters to ``param_groups[0]``), so it fires at each unfreeze epoch and at no other. The
     strategies that never unfreeze (``no_freeze``, ``freeze``) search once, at fit start.
+
+    Args:
+        strategy: a Flash strategy name (``freeze_unfreeze``, ...) or a ``FinetuningStrategies`` member.
     """
     key = _strategy_key(strategy)
     triggers: list[dict[str, Any]] = [{"kind": "fit_start"}]
@@ -286,6 +289,13 @@ def register_strategies(
     the default ``registry``), so registering affects all of them; calling again replaces the earlier
     registration (with the new ``schedule``). ``schedule=None`` uses :func:`default_schedule` per
     strategy. Returns the names registered.
+
+    Args:
+        schedule: the schedule every registered strategy uses (a file, a dict or a ``RetuneSchedule``); None:
+            :func:`default_schedule` per strategy.
+        prefix: what the registered names start with.
+        registry: the registry to add to; None: Flash's, shared by every Task.
+        verbose: print a line per search (rank zero only).
     """
     target = Task.finetuning_strategies if registry is None else registry
     names: list[str] = []

@@ -41,6 +41,12 @@ def nominal_lr(optimizer: torch.optim.Optimizer, index: int, holders: Iterable[A
     OneCycleLR's ``max_lr`` (kept in the group), CyclicLR's ``max_lrs`` entry, else the rate the
     scheduler was built from (``initial_lr``, which every torch scheduler writes into the group), else
     the group's current rate.
+
+    Args:
+        optimizer: the optimizer holding the group.
+        index: the index of the group in ``optimizer.param_groups``.
+        holders: this optimizer's LR schedulers (and fine-tuning callbacks) that may keep the group's configured
+            rate.
     """
     group = optimizer.param_groups[index]
     if is_rate(group.get("max_lr")):
@@ -64,6 +70,12 @@ def set_group_lr(
     last group (``BaseFinetuning.unfreeze_and_add_param_group`` appends the backbone's group). Every
     rate of a group that moves with its nominal rate is multiplied by ``lr / nominal`` (see the module
     docstring); a group whose nominal rate is 0 takes ``lr`` everywhere (there is no factor to scale by).
+
+    Args:
+        optimizer: the optimizer whose groups to set.
+        groups: indices into ``optimizer.param_groups``.
+        lr: the new nominal rate.
+        holders: LR schedulers of this optimizer and fine-tuning callbacks that keep a copy of the rate.
     """
     owned = _own(holders, optimizer)
     factors: dict[int, float] = {}

@@ -55,12 +55,20 @@ def _labels(batch: Any, who: str) -> torch.Tensor:
 
 
 def label_items(batch: Any) -> int:
-    """Labels that are not ``-100`` in ``batch["labels"]`` (token classification, masked LM)."""
+    """Labels that are not ``-100`` in ``batch["labels"]`` (token classification, masked LM).
+
+    Args:
+        batch: a mapping with a ``labels`` tensor (``-100`` marks ignored positions).
+    """
     return int((_labels(batch, "the labels that are not -100") != IGNORE_INDEX).sum())
 
 
 def shifted_label_items(batch: Any) -> int:
-    """Labels after each row's first that are not ``-100``: the targets of a causal LM's shifted loss."""
+    """Labels after each row's first that are not ``-100``: the targets of a causal LM's shifted loss.
+
+    Args:
+        batch: a mapping with a ``labels`` tensor of shape ``(batch, sequence, ...)``.
+    """
     labels = _labels(batch, "the shifted labels that are not -100")
     if labels.dim() == 0:
         raise RetuneError("loss_items: shifted_labels needs per-token labels (batch, tokens), got a 0-dim `labels`")
@@ -74,6 +82,10 @@ def resolve_items_fn(spec: str | ItemsFn | None) -> ItemsFn:
     """The counting function for ``spec``: a built-in name, a dotted path, a callable, or None (``labels``).
 
     Raises ValueError naming what failed (module, attribute, value); the caller adds the field.
+
+    Args:
+        spec: ``labels``, ``shifted_labels``, a dotted path ``pkg.mod.fn`` to ``fn(batch) -> int``, such a function
+            itself, or None (``labels``).
     """
     if spec is None:
         return label_items
@@ -85,7 +97,12 @@ def resolve_items_fn(spec: str | ItemsFn | None) -> ItemsFn:
 
 
 def count_items(fn: ItemsFn, batch: Any) -> int:
-    """``fn(batch)`` as an int >= 0, or a RetuneError that names the function and the value."""
+    """``fn(batch)`` as an int >= 0, or a RetuneError that names the function and the value.
+
+    Args:
+        fn: the counting function (:func:`resolve_items_fn`'s result).
+        batch: the batch (or micro-batch) whose loss items to count.
+    """
     value = fn(batch)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = int(value.item())
@@ -105,7 +122,11 @@ def count_items(fn: ItemsFn, batch: Any) -> int:
 
 def token_labels_hint(batch: Any) -> bool:
     """True when ``batch["labels"]`` is per token (2 or more dimensions) with ignored (``-100``) positions:
-    most likely a loss averaged over labelled tokens. A hint for a warning, never acted on silently."""
+    most likely a loss averaged over labelled tokens. A hint for a warning, never acted on silently.
+
+    Args:
+        batch: the batch a step trains on.
+    """
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     return isinstance(labels, torch.Tensor) and labels.dim() >= 2 and bool((labels == IGNORE_INDEX).any())
 

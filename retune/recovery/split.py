@@ -34,6 +34,10 @@ class SplitError(TypeError):
 def piece_sizes(total: int, pieces: int) -> list[int]:
     """Sizes of ``pieces`` near-equal parts of ``total`` samples, larger first (``torch.tensor_split``'s rule).
 
+    Args:
+        total: samples in the batch (>= 0).
+        pieces: how many parts (>= 1).
+
     >>> piece_sizes(10, 4)
     [3, 3, 2, 2]
     """
@@ -48,6 +52,11 @@ def pieces_for(total: int, max_size: int, min_size: int = 1) -> int:
     ``min_size`` (2 for a model with BatchNorm layers in training mode, which cannot normalise one
     sample) wins over ``max_size`` where both cannot hold: 3 samples at ``max_size`` 2 are one piece
     of 3 rather than 2 + 1.
+
+    Args:
+        total: samples in the batch.
+        max_size: the largest micro-batch that fits (what the failed step's split found).
+        min_size: the smallest micro-batch the model can train on (2 with BatchNorm in training mode).
 
     >>> pieces_for(16, 8), pieces_for(3, 8), pieces_for(17, 8), pieces_for(3, 2), pieces_for(3, 2, min_size=2)
     (2, 1, 3, 2, 1)
@@ -66,6 +75,9 @@ def batch_length(batch: Any) -> int | None:
     (labels, strings) whose length is not that dimension (a ``tuple(zip(*samples))`` collate, whose
     tuple of images would otherwise be cut along the channels). The message names the fields
     (``batch['pos_weight']``) so the user knows which one to move out of the batch.
+
+    Args:
+        batch: a batch as the loader yields it: a tensor, or containers of tensors and per-sample values.
     """
     lengths: dict[int, str] = {}
     per_sample: dict[int, str] = {}
@@ -151,6 +163,12 @@ def split_batch(batch: Any, pieces: int, split_fn: SplitFn | None = None) -> lis
 
     Fewer pieces come back when the batch has fewer samples than ``pieces``. ``split_fn`` replaces
     the built-in rules; its result is checked (a list of at least one micro-batch).
+
+    Args:
+        batch: the batch to split (any container :func:`batch_length` understands).
+        pieces: how many micro-batches to aim for (>= 1).
+        split_fn: ``fn(batch, pieces) -> list of micro-batches``, for a batch type the built-in rules do not know;
+            None: the built-in rules.
     """
     if pieces < 1:
         raise ValueError(f"pieces must be >= 1, got {pieces}")
@@ -214,6 +232,10 @@ def join_outputs(outputs: Sequence[Any], sizes: Sequence[int | None] | None = No
     list. Containers are joined leaf by leaf. Anything else — a scalar, a per-batch statistic such as
     a mean — has no whole-batch form to rebuild and is taken from the last micro-batch. Without
     ``sizes``, any tensor with a first dimension counts as batched.
+
+    Args:
+        outputs: what each micro-batch's step returned, in order.
+        sizes: each micro-batch's sample count (None where unknown), in the same order.
     """
     if not outputs:
         return None
@@ -247,7 +269,11 @@ def join_outputs(outputs: Sequence[Any], sizes: Sequence[int | None] | None = No
 
 
 def detached(value: Any) -> Any:
-    """``value`` with every tensor in it detached, containers (dicts, ``ModelOutput``, named tuples) kept."""
+    """``value`` with every tensor in it detached, containers (dicts, ``ModelOutput``, named tuples) kept.
+
+    Args:
+        value: a step's output: a tensor, or containers holding tensors.
+    """
     if isinstance(value, torch.Tensor):
         return value.detach()
     if isinstance(value, Mapping):
@@ -260,7 +286,12 @@ def detached(value: Any) -> Any:
 
 def join_detached(outputs: Sequence[Any], sizes: Sequence[int | None] | None = None) -> Any:
     """:func:`join_outputs` of the outputs detached: what a recovered step returns besides its loss
-    (the micro-batches' graphs are spent once their backward ran)."""
+    (the micro-batches' graphs are spent once their backward ran).
+
+    Args:
+        outputs: what each micro-batch's step returned, in order.
+        sizes: each micro-batch's sample count, as for :func:`join_outputs`.
+    """
     return join_outputs([detached(o) for o in outputs], sizes)
 
 

@@ -48,7 +48,9 @@ class TrainingView:
     """What triggers may look at: the training state at one epoch start, free of Lightning types."""
 
     epoch: int
+    """The epoch about to start (Lightning's ``current_epoch``, 0-based)."""
     global_step: int
+    """Optimizer steps taken so far in this fit."""
     fit_starting: bool
     """True at the first epoch start of a ``fit`` that has no tuned size yet (not a resumed run)."""
     trainable_params: int

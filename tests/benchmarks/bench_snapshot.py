@@ -60,6 +60,10 @@ LAYERS = 3
 RETUNE_REPEATS = 7  # at least; see _repeats
 LIGHTNING_REPEATS = 3
 CASES = ("frozen", "partial", "unfrozen")
+# torch's own thread count, read at import: ``--threads 0`` sets it back, since ``make bench`` runs this
+# benchmark in a process where earlier benchmarks set one thread (snapshot-default-threads.json was
+# once measured with one thread that way, as its environment.torch_threads records).
+TORCH_DEFAULT_THREADS = torch.get_num_threads()
 
 
 class BigModel(pl.LightningModule):
@@ -280,11 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="torch threads (default 1: on a shared machine a multi-threaded copy stalls whenever another "
-        "process holds one of the cores, which swamps millisecond timings; 0 keeps torch's default)",
+        "process holds one of the cores, which swamps millisecond timings; 0: torch's default, even after "
+        "another benchmark in the same process set one)",
     )
     args = parser.parse_args(argv)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads if args.threads > 0 else TORCH_DEFAULT_THREADS)
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         parser.error("--accelerator cuda: no CUDA device here")
     for name in ("pytorch_lightning", "lightning", "lightning.pytorch", "lightning_fabric"):

@@ -6,6 +6,7 @@ exists, the CLI output a page quotes is what the CLI prints, and the generated s
 lists every field of the pydantic models. None of this needs mkdocs, so it runs in both stacks; the
 strict site build itself (broken links, unknown anchors, unresolved docstring references) runs where
 mkdocs is installed (the main stack, and ``make docs`` in CI) and skips elsewhere.
+The benchmark numbers the pages quote are held by tests/project/test_benchmark_tables.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import ast
 import contextlib
 import importlib.util
 import io
-import json
 import os
 import re
 import subprocess
@@ -184,48 +184,6 @@ def test_quoted_validate_error_is_what_the_cli_prints(tmp_path: Path) -> None:
     with contextlib.redirect_stderr(stderr):
         assert cli_main(["validate", str(schedule)]) == 1
     assert stderr.getvalue().strip().replace(str(schedule), "broken.yaml") == match.group(1)
-
-
-# ---------------------------------------------------------------- quoted numbers
-
-
-def _results(name: str) -> Any:
-    return json.loads((ROOT / "tests" / "benchmarks" / "results" / name).read_text(encoding="utf-8"))
-
-
-def _table(page: Path, header: str) -> list[list[str]]:
-    """The rows of the Markdown table whose header line starts with ``header``, cells stripped of ``**``."""
-    lines = page.read_text(encoding="utf-8").splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(header))
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append([c.strip().replace("**", "") for c in line.strip("|").split("|")])
-    return rows
-
-
-def test_search_benchmark_table_is_the_results_file() -> None:
-    """Every number of the search table is the median ``tests/benchmarks/results/search.json`` holds."""
-    results = _results("search.json")
-    medians = {(m["phase"], m["method"]): m for m in results["medians"]}
-    rows = _table(DOCS / "benchmarks.md", "| phase | method | trials |")
-    assert len(rows) == 10
-    for phase, method, trials, steps, found, seconds in rows:
-        library, mode = re.match(r"(retune|Lightning) `(\w+)`", method).groups()  # type: ignore[union-attr]
-        key = f"{library.lower()}-{mode}" + (" (new fit)" if "new fit" in method else "")
-        m = medians[("cold" if phase == "cold" else "retune", key)]
-        assert (int(trials), int(steps)) == (m["trials"], m["probe_steps"]), method
-        assert (found, seconds) == (f"{m['found_over_true']:.3f}", f"{m['seconds']:.2f}"), method
-    assert results["environment"]["cpus"] == 2  # the machine the page names
-
-
-def test_recovery_benchmark_table_is_the_results_file() -> None:
-    results = _results("recovery.json")
-    shown = [row[1] for row in _table(DOCS / "benchmarks.md", "| step | ms | vs. normal |")]
-    keys = ("normal_ms", "guarded_ms", "recovered_forward_ms", "recovered_backward_ms", "kept_split_ms")
-    assert shown[:5] == [f"{results[k]:.1f}" for k in keys]
-    assert shown[5] == f"{results['ddp_ms']:.1f} / {results['ddp_oom_trigger_ms']:.1f}"
 
 
 # ---------------------------------------------------------------- generated references
