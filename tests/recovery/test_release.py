@@ -166,3 +166,16 @@ def test_an_oom_in_the_range_test_reaches_the_user_without_the_failed_steps_tens
     probe = _RangeTestAt()
     _trainer(probe, limit_train_batches=1, limit_val_batches=0).fit(model)
     assert probe.alive == [False]
+
+
+def test_an_oom_after_backward_reaches_the_user_without_the_failed_steps_tensors() -> None:
+    """An OOM in ``on_after_backward`` is not recovered (the gradients are complete; micro-batches would not
+    need less memory there) and reaches the user, without the failed step's activation and loss."""
+    seed(0)
+    model = _Watched("on_after_backward")
+    finder = ScheduledBatchSizeFinder(OOM, verbose=False, write_report=False)
+    with pytest.raises(torch.OutOfMemoryError, match="on_after_backward") as info:
+        _trainer(finder, limit_train_batches=2, limit_val_batches=0).fit(model)
+    assert info.value.__traceback__ is not None  # the user's error, with its traceback
+    assert len(model.refs) == 2, "the oracle must make the first step run out of memory"
+    assert [ref() is not None for ref in model.refs] == [False, False]
