@@ -45,6 +45,7 @@ from retune.compat.distributed import (
     ddp_wrapper,
     is_ddp,
     is_distributed,
+    shares_out_samplers,
     unshare_spawned_weights,
 )
 from retune.compat.epoch_length import refresh_train_batches, sampler_epoch
@@ -121,6 +122,7 @@ __all__ = [
     "save_logged_metrics",
     "set_accumulation",
     "set_batch_attr",
+    "shares_out_samplers",
     "strategy_kind",
     "trainer_fn",
     "training_step",
