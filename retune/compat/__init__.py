@@ -27,6 +27,7 @@ The functions the rest of retune calls are re-exported here (``compat.request_da
 from __future__ import annotations
 
 from retune.compat.batch_attr import batch_attr_places, get_batch_attr, has_batch_attr, set_batch_attr
+from retune.compat.combined_loaders import train_loaders
 from retune.compat.data import (
     batch_to_device,
     check_source,
@@ -124,6 +125,7 @@ __all__ = [
     "set_batch_attr",
     "shares_out_samplers",
     "strategy_kind",
+    "train_loaders",
     "trainer_fn",
     "training_step",
     "unshare_spawned_weights",
