@@ -8,10 +8,19 @@ replace it with every sample once. When its draws can be known before the epoch 
 a ``__len__``), :class:`DrawnBucketBatchSampler` iterates the user's own sampler once at the epoch's
 start — its own generator, or torch's, advancing exactly as the user's loader would advance it, after
 its ``set_epoch`` — and cuts those draws into each bucket's batches (:func:`drawn_batches`): the
-epoch trains the same indices, each as often as drawn, only grouped by size. A sampler whose draws
-cannot be known before the epoch (no ``__len__``), or any choosing sampler under several processes
-(each rank would draw on its own, and the ranks must agree on every step's bucket), keeps the loader as
-the user built it (``batching: fixed``) with one warning that names it (:func:`why_draws_unknown`).
+epoch trains the same indices, each as often as drawn, only grouped by size.
+
+Under several processes, Lightning would wrap such a sampler in a ``DistributedSamplerWrapper``: every
+rank iterates the whole sampler and trains its share of that one pass. Buckets do the same with one
+epoch for all ranks: every rank iterates its sampler (so its generator advances as under Lightning's
+wrapper), rank zero's draws are broadcast, every rank groups them identically, and each step's group
+of ``size x world_size`` draws of one bucket is dealt out one share per rank (:func:`drawn_batches`
+with ``world_size``): across the ranks the epoch trains exactly rank zero's draws, every rank at the
+same bucket at every step. A sampler whose draws cannot be known before the epoch (no ``__len__``),
+one that shards itself across ranks (a ``DistributedSampler`` subclass: each rank draws only its own
+share), or any choosing sampler when Lightning does not shard it (``use_distributed_sampler=False``:
+each rank trains its own draws) keeps the loader as the user built it (``batching: fixed``) with one
+warning that names it (:func:`why_draws_unknown`).
 
 Example:
     >>> from retune.buckets.plan import Buckets
@@ -19,12 +28,18 @@ Example:
     >>> plan = drawn_batches(buckets, [2, 1], [3, 0, 0, 1, 3, 2])
     >>> [(b.bucket, b.indices) for b in plan]
     [(1, (3,)), (0, (0, 0)), (0, (1, 2)), (1, (3,))]
+    >>> [[(b.bucket, b.indices) for b in drawn_batches(buckets, [2, 1], [3, 0, 0, 1, 3, 2], world_size=2, rank=r)]
+    ...  for r in (0, 1)]
+    [[(1, (3,)), (0, (0, 0))], [(1, (3,)), (0, (1, 2))]]
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from torch.utils.data import DistributedSampler
 
 from retune.buckets.loader import BucketBatchSampler
 from retune.buckets.plan import Buckets, PlannedBatch
@@ -40,6 +55,14 @@ def bucket_of_index(buckets: Buckets) -> dict[int, int]:
     return {index: bucket for bucket, members in enumerate(buckets.members) for index in members}
 
 
+@dataclass(frozen=True)
+class DrawnStep:
+    """One step of every rank: the bucket it comes from and all the ranks' draws (each rank's share: :func:`deal`)."""
+
+    bucket: int
+    group: tuple[int, ...]
+
+
 def drawn_batches(
     buckets: Buckets,
     batch_sizes: Sequence[int],
@@ -47,21 +70,58 @@ def drawn_batches(
     *,
     drop_last: bool = False,
     where: Mapping[int, int] | None = None,
+    world_size: int = 1,
+    rank: int = 0,
 ) -> list[PlannedBatch]:
-    """One epoch's batches of exactly ``draws`` (dataset indices, repeats included), grouped by bucket.
-
-    Each bucket's draws keep the order the sampler drew them in and are cut into batches of that
-    bucket's size; batches run in the order of their first sample's draw, so the sampler's randomness
-    (or a curriculum's order) decides the order of the epoch, not a second shuffle. A bucket's last,
-    partial batch trains smaller, or not at all with ``drop_last`` (as buckets treat every loader).
-    ``where`` is :func:`bucket_of_index` of ``buckets`` (computed when not given).
+    """This rank's batches of one epoch of exactly ``draws`` (dataset indices, repeats included), grouped by bucket:
+    its share (:func:`deal`) of every step of :func:`drawn_steps`.
 
     >>> buckets = Buckets((10,), ((0, 1),), (10,))
     >>> [b.indices for b in drawn_batches(buckets, [2], [1, 1, 0], drop_last=True)]
     [(1, 1)]
+    >>> [b.indices for b in drawn_batches(buckets, [2], [1, 1, 0, 0, 1], world_size=2, rank=1)]
+    [(0,), (1,)]
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world size {world_size} is not valid")
+    steps = drawn_steps(buckets, batch_sizes, draws, drop_last=drop_last, where=where, world_size=world_size)
+    return [PlannedBatch(step.bucket, deal(step.group, world_size, rank)) for step in steps]
+
+
+def drawn_steps(
+    buckets: Buckets,
+    batch_sizes: Sequence[int],
+    draws: Sequence[int],
+    *,
+    drop_last: bool = False,
+    where: Mapping[int, int] | None = None,
+    world_size: int = 1,
+) -> list[DrawnStep]:
+    """Every step of one epoch of exactly ``draws`` (dataset indices, repeats included), grouped by bucket.
+
+    Each bucket's draws keep the order the sampler drew them in and are cut into groups of
+    ``size x world_size``, one step each; steps run in the order of their first sample's draw, so the
+    sampler's randomness (or a curriculum's order) decides the order of the epoch, not a second shuffle.
+    Each rank takes its contiguous share of a step's group (:func:`deal`: sizes differ by one at most, never
+    above the bucket's size), so across the ranks every draw trains once and every rank's step comes from the same
+    bucket. A bucket's last, partial group trains smaller, or not at all with ``drop_last`` (as buckets
+    treat every loader). Under several processes a last group with fewer draws than ranks cannot give
+    every rank a sample: it takes draws from the bucket's previous group (a size of 2 or more), else it
+    moves to the next bucket of longer samples (whose size fits them: it was searched for longer ones);
+    in the longest samples' bucket it takes draws from a step of shorter samples that can spare them, and
+    only when no step can (every step holds one draw per rank) is it padded with that bucket's own draws,
+    as ``DistributedSampler`` pads. ``where`` is :func:`bucket_of_index` of ``buckets`` (computed when not given).
+
+    >>> buckets = Buckets((10, 50), ((0, 1), (2,)), (10, 50))
+    >>> [(s.bucket, s.group) for s in drawn_steps(buckets, [2, 2], [2, 0, 2], world_size=2)]  # 0 moves up
+    [(1, (2, 0, 2))]
+    >>> [(s.bucket, s.group) for s in drawn_steps(buckets, [2, 1], [0, 1, 1, 0, 2], world_size=2)]  # 0 fills up
+    [(0, (0, 1, 1)), (1, (0, 2))]
     """
     if len(batch_sizes) != buckets.count:
         raise ValueError(f"{buckets.count} buckets but {len(batch_sizes)} batch sizes")
+    if world_size < 1:
+        raise ValueError(f"world size {world_size} is not valid")
     where = bucket_of_index(buckets) if where is None else where
     drawn: list[list[tuple[int, int]]] = [[] for _ in range(buckets.count)]
     for position, index in enumerate(draws):
@@ -69,26 +129,89 @@ def drawn_batches(
         if bucket is None:
             raise ValueError(f"index {index!r} (draw {position}) is not a sample of the buckets")
         drawn[bucket].append((position, index))
-    groups: list[tuple[int, int, tuple[int, ...]]] = []
-    for bucket, (picks, size) in enumerate(zip(drawn, batch_sizes, strict=True)):
+    steps: list[tuple[int, int, list[tuple[int, int]]]] = []
+    carried: list[tuple[int, int]] = []  # draws too few for the ranks, moved up from a bucket of shorter samples
+    longest = max(range(buckets.count), key=lambda b: (buckets.largest[b], b)) if buckets.count else -1
+    for bucket in sorted(range(buckets.count), key=lambda b: (buckets.largest[b], b)):
+        size = batch_sizes[bucket]
         if size < 1:
             raise ValueError(f"bucket {bucket} has batch size {size}; sizes must be >= 1")
-        for start in range(0, len(picks), size):
-            group = picks[start : start + size]
-            if len(group) < size and drop_last:
-                continue
-            groups.append((group[0][0], bucket, tuple(index for _, index in group)))
-    groups.sort()
-    return [PlannedBatch(bucket, indices) for _, bucket, indices in groups]
+        picks = sorted(drawn[bucket] + carried)
+        carried = []
+        step = size * world_size
+        groups = [picks[start : start + step] for start in range(0, len(picks), step)]
+        if drop_last:
+            groups = [g for g in groups if len(g) == step]
+        elif groups and len(groups[-1]) < world_size:  # not a sample for every rank (several processes only)
+            last, missing = groups[-1], world_size - len(groups[-1])
+            if len(groups) > 1 and size > 1:  # the previous group keeps size - 1 or more per rank
+                groups[-2], groups[-1] = groups[-2][:-missing], groups[-2][-missing:] + last
+            elif bucket != longest:
+                carried = groups.pop()
+            else:
+                groups[-1] = last + _spare(steps, missing, world_size, picks)
+        steps.extend((group[0][0], bucket, group) for group in groups)
+    ordered = sorted((min(group), bucket, group) for _, bucket, group in steps)
+    return [DrawnStep(bucket, tuple(index for _, index in sorted(group))) for _, bucket, group in ordered]
 
 
-def why_draws_unknown(sampler: Any, world_size: int) -> str | None:
-    """Why the draws of a sampler that chooses what trains cannot be bucketed, or None when they can."""
+def _spare(
+    steps: list[tuple[int, int, list[tuple[int, int]]]], missing: int, world_size: int, own: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """``missing`` draws for the longest samples' last step: the latest draws of the step of shorter samples that
+    can best spare them (it keeps a sample per rank; shorter samples fit where longer ones do), else repeats of
+    that bucket's ``own`` draws (as ``DistributedSampler`` pads)."""
+    donors = [s for s in range(len(steps)) if len(steps[s][2]) - missing >= world_size]
+    if not donors:
+        return [own[i % len(own)] for i in range(missing)]
+    donor = max(donors, key=lambda s: (len(steps[s][2]), steps[s][0]))
+    first, bucket, group = steps[donor]
+    steps[donor] = (first, bucket, group[:-missing])
+    return group[-missing:]
+
+
+def deal(group: Sequence[int], world_size: int, rank: int) -> tuple[int, ...]:
+    """``rank``'s contiguous share of one step's ``group``: the first ``len % world_size`` ranks take one more.
+
+    >>> [deal([4, 5, 6], 2, r) for r in (0, 1)]
+    [(4, 5), (6,)]
+    """
+    share, extra = divmod(len(group), world_size)
+    start = rank * share + min(rank, extra)
+    return tuple(group[start : start + share + (1 if rank < extra else 0)])
+
+
+def shards_itself(sampler: Any) -> bool:
+    """Whether ``sampler`` draws only this rank's share of an epoch (a ``DistributedSampler`` or one like it).
+
+    >>> from torch.utils.data import DistributedSampler
+    >>> shards_itself(DistributedSampler(range(4), num_replicas=2, rank=0)), shards_itself(range(4))
+    (True, False)
+    """
+    if isinstance(sampler, DistributedSampler):
+        return True
+    return hasattr(sampler, "num_replicas") and hasattr(sampler, "rank")
+
+
+def why_draws_unknown(sampler: Any, world_size: int, *, sharded_by_lightning: bool = True) -> str | None:
+    """Why the draws of a sampler that chooses what trains cannot be bucketed, or None when they can.
+
+    Under ``world_size`` processes they can when Lightning would shard the sampler's one pass across the
+    ranks (``sharded_by_lightning``: ``use_distributed_sampler``, the default) and the sampler does not shard
+    itself: then rank zero's draws are every rank's (:class:`DrawnBucketBatchSampler`).
+    """
     name = type(sampler).__name__
-    if world_size > 1:
+    if world_size > 1 and shards_itself(sampler):
         return (
-            f"its sampler ({name}) chooses which samples train and how often, and under {world_size} processes "
-            "each rank would draw its own epoch while buckets need every rank to agree on each step's bucket"
+            f"its sampler ({name}) chooses which samples train and shards them itself across the {world_size} "
+            "processes, so each rank draws only its own share while buckets need every rank to agree on each "
+            "step's bucket"
+        )
+    if world_size > 1 and not sharded_by_lightning:
+        return (
+            f"its sampler ({name}) chooses which samples train and Lightning does not share it out across the "
+            f"{world_size} processes (use_distributed_sampler=False): each rank trains its own draws, while buckets "
+            "need every rank to agree on each step's bucket"
         )
     try:
         length = len(sampler)
@@ -135,17 +258,22 @@ def _position(index: Any, sampler: Any) -> int:
         ) from None
 
 
+ShareDraws = Callable[[Any], Any]
+"""``share(obj)``: rank zero's ``obj`` on every rank (a collective: every rank calls it at the same point)."""
+
+
 class DrawnBucketBatchSampler(BucketBatchSampler):
-    """The bucketed batches of exactly what the user's sampler draws each epoch.
+    """This rank's bucketed batches of exactly what the user's sampler draws each epoch.
 
     Unlike :class:`~retune.buckets.loader.BucketBatchSampler` (every sample once, retune's own seeded
     shuffle), the epoch's plan is :func:`drawn_batches` of one pass over ``draws_from``, the user's sampler
     itself, made once per epoch when the plan is first needed (Lightning asks for the loader's length at
-    the epoch's start). Its number of batches can change from epoch to epoch: the fit loop's count is
-    refreshed at each epoch start (:meth:`retune.buckets.train_buckets.TrainBuckets.epoch_started`).
-    A fit resumed mid-epoch (``start``) skips as many batches as were trained before the checkpoint, so
-    the epoch keeps its length; the draws themselves are a new pass of the user's sampler, whose
-    generator state no checkpoint holds.
+    the epoch's start, on every rank). Its number of batches can change from epoch to epoch: the fit loop's
+    count is refreshed at each epoch start (:meth:`retune.buckets.train_buckets.TrainBuckets.epoch_started`).
+    Under several processes (``world_size``), every rank draws from its own sampler, then ``share`` gives
+    every rank rank zero's draws; each rank takes its share of every step. A fit resumed mid-epoch
+    (``start``) skips as many batches as were trained before the checkpoint, so the epoch keeps its length;
+    the draws themselves are a new pass of the user's sampler, whose generator state no checkpoint holds.
     """
 
     def __init__(
@@ -157,12 +285,31 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
         epoch: int = 0,
         drop_last: bool = False,
         start: int = 0,
+        world_size: int = 1,
+        rank: int = 0,
+        share: ShareDraws | None = None,
     ) -> None:
-        super().__init__(buckets, batch_sizes, seed=0, epoch=epoch, shuffle=False, drop_last=drop_last, start=start)
+        super().__init__(
+            buckets,
+            batch_sizes,
+            seed=0,
+            epoch=epoch,
+            shuffle=False,
+            drop_last=drop_last,
+            world_size=world_size,
+            rank=rank,
+            start=start,
+        )
+        if world_size > 1 and share is None:
+            raise ValueError("several processes draw one epoch through `share` (rank zero's draws on every rank)")
         self.draws_from = draws_from
+        self.share = share
         self.draws: list[int] = []
-        """The indices the user's sampler drew for the epoch of :attr:`plan` (empty until it is made)."""
+        """The indices the user's sampler drew for the epoch of :attr:`plan` (rank zero's, on every rank;
+        empty until it is made)."""
         self._where = bucket_of_index(buckets)
+        self._trained = 0
+        """Samples the epoch's steps train across all ranks (rank zero's draws, plus any padding)."""
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -172,35 +319,68 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
 
     @property
     def plan(self) -> list[PlannedBatch]:
-        """This epoch's batches (the user's sampler is iterated once per epoch, here)."""
+        """This epoch's batches for this rank (the user's sampler is iterated once per epoch, here)."""
         if self._plan is None or self._plan_epoch != self.epoch:
             epoch = self.epoch
-            self.draws = draw_epoch(self.draws_from, epoch)
+            self.draws = self._draw(epoch)
             try:
-                self._plan = drawn_batches(
-                    self.buckets, self.batch_sizes, self.draws, drop_last=self.drop_last, where=self._where
+                steps = drawn_steps(
+                    self.buckets,
+                    self.batch_sizes,
+                    self.draws,
+                    drop_last=self.drop_last,
+                    where=self._where,
+                    world_size=self.world_size,
                 )
             except ValueError as error:
                 raise RetuneError(
                     f"search.batching: buckets cannot group what the train sampler ({type(self.draws_from).__name__}) "
                     f"drew at epoch {epoch}: {error}, so its size was never scanned; use `batching: fixed`"
                 ) from None
+            self._plan = [PlannedBatch(step.bucket, deal(step.group, self.world_size, self.rank)) for step in steps]
+            self._trained = sum(len(step.group) for step in steps)
             self._plan_epoch = epoch
         return self._plan
+
+    def _draw(self, epoch: int) -> list[int]:
+        """The epoch's draws: this process's pass over the user's sampler, or rank zero's under several.
+
+        Every rank passes over its own sampler (its generator advances as under Lightning's
+        ``DistributedSamplerWrapper``, which iterates the whole sampler on every rank) and every rank
+        reaches the broadcast, even when its own pass failed, so a refusal cannot leave a rank waiting.
+        """
+        failed: RetuneError | None = None
+        try:
+            draws = draw_epoch(self.draws_from, epoch)
+        except RetuneError as error:
+            failed, draws = error, []
+        if self.world_size > 1:
+            assert self.share is not None
+            shared = self.share(str(failed) if failed is not None else draws)
+            if isinstance(shared, str):
+                raise RetuneError(f"rank 0: {shared}")
+            draws = [int(i) for i in shared]
+        if failed is not None:
+            raise failed
+        return draws
 
     def __len__(self) -> int:
         return len(self.plan)
 
     def mean_batch(self) -> float:
-        """Samples per step over this epoch's plan (0 for an empty epoch)."""
+        """Samples per step and rank over this epoch's plan, the same on every rank (0 for an empty epoch)."""
         plan = self.plan
-        return sum(len(b.indices) for b in plan) / len(plan) if plan else 0.0
+        return self._trained / (len(plan) * self.world_size) if plan else 0.0
 
 
 __all__ = [
     "DrawnBucketBatchSampler",
+    "DrawnStep",
     "bucket_of_index",
+    "deal",
     "draw_epoch",
     "drawn_batches",
+    "drawn_steps",
+    "shards_itself",
     "why_draws_unknown",
 ]

@@ -7,11 +7,12 @@ bucketed loader. A search probes each bucket on its worst batch (its largest sam
 same :class:`~retune.probing.prober.Prober` session as a fixed search (:mod:`retune.search.stage` runs both).
 
 A sampler that chooses which samples train and how often (weights, a subset, ``num_samples``) stays
-the truth: each epoch its own draws are bucketed (:mod:`retune.buckets.drawn`). Where buckets cannot
-work — an ``IterableDataset``, a custom ``batch_sampler``, a loader that is not a ``DataLoader``,
-several train loaders, samples without a size, a choosing sampler whose draws cannot be known before
-the epoch (no ``__len__``, or several processes) — training stays on one batch size (``fixed``) and
-one warning says why.
+the truth: each epoch its own draws are bucketed (:mod:`retune.buckets.drawn`; under DDP, rank zero's
+draws shared out across the ranks). Where buckets cannot work — an ``IterableDataset``, a custom
+``batch_sampler``, a loader that is not a ``DataLoader``, several train loaders, samples without a
+size, a choosing sampler whose draws cannot be known before the epoch (no ``__len__``) or that the
+ranks would not share (it shards itself, or ``use_distributed_sampler=False``) — training stays on one
+batch size (``fixed``) and one warning says why.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ class TrainBuckets:
         self._trainer: Any = None
         self._world_size = 1
         self._rank = 0
+        self._shared_out = True
+        """Lightning shards a train sampler across the ranks (``use_distributed_sampler``)."""
         self._source: Any = None
         """The loader ``train_dataloader()`` last returned to Lightning (what :meth:`data_change` checks)."""
 
@@ -186,6 +189,7 @@ class TrainBuckets:
         self._trainer = trainer
         self._world_size = int(getattr(trainer, "world_size", 1) or 1)
         self._rank = int(getattr(trainer, "global_rank", 0) or 0)
+        self._shared_out = compat.shares_out_samplers(trainer)
         self.hook.install(trainer)
 
     def uninstall(self) -> None:
@@ -255,7 +259,9 @@ class TrainBuckets:
         reason = why_not_reorderable(loader)
         if reason is None and sampler_that_chooses(loader) is not None:
             # the sampler's own draws are bucketed each epoch (DrawnBucketBatchSampler), where they can be known
-            reason = why_draws_unknown(loader.batch_sampler.sampler, self._world_size)
+            reason = why_draws_unknown(
+                loader.batch_sampler.sampler, self._world_size, sharded_by_lightning=self._shared_out
+            )
         return reason
 
     def prepare(self, loader: Any, say: Any, bounds: Sequence[int] | None = None) -> Buckets | None:
@@ -322,6 +328,9 @@ class TrainBuckets:
                 epoch=compat.sampler_epoch(trainer) if trainer is not None else epoch,
                 drop_last=bool(loader.drop_last),
                 start=compat.resumed_batches(trainer) if trainer is not None else 0,  # mid-epoch resume: continue
+                world_size=self._world_size,
+                rank=self._rank,
+                share=None if trainer is None else _Broadcast(trainer),  # rank zero's draws on every rank
             )
             self.sampler = drawn
             return _with_batch_sampler(loader, drawn)
@@ -599,6 +608,17 @@ class DataChange:
         before = ", ".join(str(s) for s in self.largest_before)
         after = ", ".join(str(s) for s in self.buckets.largest)
         return f"the buckets' longest samples {before} -> {after}"
+
+
+class _Broadcast:
+    """Rank zero's object on every rank, through the trainer's strategy (a class, not a closure, so that a
+    sampler holding it can be inspected and the trainer is named in one place)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def __call__(self, obj: Any) -> Any:
+        return compat.broadcast_object(self.trainer, obj)
 
 
 def _indices_fit(buckets: Buckets, dataset: Any) -> bool:

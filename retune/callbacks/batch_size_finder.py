@@ -25,7 +25,7 @@ from retune.callbacks.stage_attrs import StageAttrs
 from retune.callbacks.trainer_view import training_view
 from retune.errors import RetuneError
 from retune.events import Direction, RetuneEvent, Trial
-from retune.probing.probe_batches import ProbeBatches
+from retune.probing.probe_batches import LargestChange, ProbeBatches
 from retune.probing.timing import Clock
 from retune.recovery.split import SplitFn
 from retune.reports import batch_size as report
@@ -290,26 +290,38 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         if self._recovery is not None:
             self._recovery.uninstall()
 
-    def _data_change(self, trainer: Any) -> DataChange | None:
-        """With buckets, whether the train samples' sizes changed since they were grouped (the same dataset
-        changed in place, or a reloaded one): rank zero's answer, on every rank."""
-        local = None
-        if self._buckets is not None and "train" in self.schedule.stages:
-            local = self._buckets.data_change(self._say)
-        search = compat.broadcast_object(trainer, None if local is None else local.search)
-        if search is None or local is None:
+    def _data_change(self, trainer: Any) -> DataChange | LargestChange | None:
+        """Whether the train samples' sizes changed since the sizes in force were found: rank zero's answer, on
+        every rank. With buckets, since they were grouped (the same dataset changed in place, or a reloaded
+        one); with one size and ``probe_samples: largest``, since the probes ran on the largest samples."""
+        local: DataChange | LargestChange | None = None
+        if "train" in self.schedule.stages:
+            if self._buckets is not None and self._buckets.state.sizes:
+                local = self._buckets.data_change(self._say)
+            else:  # one size (fixed, or buckets that fell back): what its probes ran on
+                size = self._stage("train").size
+                local = self.probe_batches.largest_change("train", compat.train_loaders(trainer), size)
+        shared = compat.broadcast_object(trainer, local if not isinstance(local, DataChange) else local.search)
+        if shared is None or isinstance(shared, LargestChange):
+            return shared
+        if not isinstance(local, DataChange):
             return None
-        return local if local.search == search else DataChange(local.buckets, search, local.largest_before)
+        return local if local.search == shared else DataChange(local.buckets, shared, local.largest_before)
 
-    def _follow_data(self, trainer: Any, pl_module: Any, change: DataChange) -> None:
-        """Train the changed data within the memory found: its buckets' sizes searched again when a bucket's
-        samples got longer (an event with trigger ``data_changed``), else the same sizes on the new groups."""
-        assert self._buckets is not None
+    def _follow_data(self, trainer: Any, pl_module: Any, change: DataChange | LargestChange) -> None:
+        """Train the changed data within the memory found: its size (each bucket's) searched again when the
+        samples got longer (an event with trigger ``data_changed``), else the same sizes (on the new groups)."""
         where = f"epoch {trainer.current_epoch}"
+        what = "the buckets" if isinstance(change, DataChange) else "the batch size"
         if change.search:
-            self._say(f"{where}: the train samples' sizes changed ({change.describe()}): searching the buckets again")
+            self._say(f"{where}: the train samples' sizes changed ({change.describe()}): searching {what} again")
             self._search(trainer, pl_module, "train", "data_changed", "unknown", cold=False)
             return
+        if isinstance(change, LargestChange):
+            size = self._stage("train").size
+            self._say(f"{where}: the train samples' sizes changed ({change.describe()}); batch size {size} still fits")
+            return
+        assert self._buckets is not None
         self._say(f"{where}: the train samples' sizes changed ({change.describe()}); the bucket sizes still fit")
         self._buckets.regroup(change)
         compat.reload_dataloader(trainer, "train")

@@ -27,6 +27,7 @@ The functions the rest of retune calls are re-exported here (``compat.request_da
 from __future__ import annotations
 
 from retune.compat.batch_attr import batch_attr_places, get_batch_attr, has_batch_attr, set_batch_attr
+from retune.compat.combined_loaders import train_loaders
 from retune.compat.data import (
     batch_to_device,
     check_source,
@@ -45,6 +46,7 @@ from retune.compat.distributed import (
     ddp_wrapper,
     is_ddp,
     is_distributed,
+    shares_out_samplers,
     unshare_spawned_weights,
 )
 from retune.compat.epoch_length import refresh_train_batches, sampler_epoch
@@ -121,7 +123,9 @@ __all__ = [
     "save_logged_metrics",
     "set_accumulation",
     "set_batch_attr",
+    "shares_out_samplers",
     "strategy_kind",
+    "train_loaders",
     "trainer_fn",
     "training_step",
     "unshare_spawned_weights",

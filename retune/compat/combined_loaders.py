@@ -89,6 +89,13 @@ def leaf_loaders(loader: Any) -> list[Any]:
     return [loader]
 
 
+def train_loaders(trainer: Any) -> list[Any]:
+    """The loaders the fit loop trains on now (after Lightning's processing and any reload); empty before it
+    built them. ``trainer.train_dataloader`` is the user's structure on 2.x and a ``CombinedLoader`` on 1.9."""
+    loader = trainer.train_dataloader
+    return [] if loader is None else leaf_loaders(loader)
+
+
 def _all_iterable(items: Sequence[Any]) -> bool:
     return len(items) > 0 and all(hasattr(item, "__iter__") and not isinstance(item, torch.Tensor) for item in items)
 
@@ -108,4 +115,12 @@ def dataset_length(loader: Any, world_size: int) -> int | None:
     return max(lengths) if lengths else None
 
 
-__all__ = ["Batches", "as_train_loader", "dataset_length", "is_combined_loader", "leaf_loaders", "train_batches"]
+__all__ = [
+    "Batches",
+    "as_train_loader",
+    "dataset_length",
+    "is_combined_loader",
+    "leaf_loaders",
+    "train_batches",
+    "train_loaders",
+]

@@ -61,6 +61,17 @@ def broadcast_object(trainer: Any, obj: Any) -> Any:
     return trainer.strategy.broadcast(obj, src=0)
 
 
+def shares_out_samplers(trainer: Any) -> bool:
+    """Whether Lightning shards a train sampler across the ranks (the Trainer's ``use_distributed_sampler``,
+    1.9's ``replace_sampler_ddp``, both True by default): under DDP it wraps a sampler that is not a
+    ``DistributedSampler`` in a ``DistributedSamplerWrapper``, which gives each rank its share of one pass."""
+    connector = trainer._accelerator_connector
+    flag = getattr(connector, "use_distributed_sampler", None)
+    if flag is None:
+        flag = getattr(connector, "replace_sampler_ddp", True)
+    return bool(flag)
+
+
 def ddp_wrapper(trainer: Any) -> Any | None:
     """The ``DistributedDataParallel`` module the strategy trains through, or None."""
     model = getattr(trainer.strategy, "model", None)
@@ -74,5 +85,6 @@ __all__ = [
     "ddp_wrapper",
     "is_ddp",
     "is_distributed",
+    "shares_out_samplers",
     "unshare_spawned_weights",
 ]

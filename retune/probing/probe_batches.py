@@ -15,12 +15,17 @@ There it warns once, naming the reason, and the probes use the first batches.
 Under DDP every rank scans the whole dataset with the same seed and probes the same *global*
 largest samples: the shard a rank receives changes every epoch (``DistributedSampler.set_epoch``),
 so any rank can meet the longest sample, and no rank needs to communicate to agree on them.
+
+The samples a stage's last probes ran on are kept (per loader), so that an epoch start can tell whether
+the data outgrew them (:meth:`ProbeBatches.largest_change`): a length curriculum that raises ``max_len``
+on the same dataset object makes the largest samples longer than the size in force was measured on.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
@@ -39,6 +44,7 @@ from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.probing.sample_sizes import (
     SizeCache,
     SizeFn,
+    SizeScan,
     default_sample_size,
     preserved_rng,
     resolve_size_fn,
@@ -140,6 +146,34 @@ def with_index_order(loader: DataLoader[Any], indices: list[int], batch_size: in
     return new
 
 
+@dataclass(frozen=True)
+class LargestChange:
+    """A stage's data changed since its last probes ran on its largest samples (:meth:`ProbeBatches.largest_change`)."""
+
+    search: bool
+    """They got larger: the size in force was measured on smaller ones, so the stage is searched again."""
+    largest_before: int = 0
+    """The largest sample size the last probes ran on."""
+    largest_after: int = 0
+    """The largest sample size now."""
+
+    def describe(self) -> str:
+        """``largest sample 64 -> 256``, for the log."""
+        return f"largest sample {self.largest_before} -> {self.largest_after}"
+
+
+@dataclass
+class _Probed:
+    """What a stage's loader's last probes ran on: its dataset, the candidates and their scan."""
+
+    dataset: Any
+    candidates: Sequence[int]
+    scan: SizeScan
+    """The scan the probes' largest samples came from."""
+    seen: SizeScan
+    """The scan last compared with it at an epoch start (a change is reported once)."""
+
+
 class ProbeBatches:
     """Applies ``search.probe_samples`` to the loaders a search's trials request; one per callback.
 
@@ -169,6 +203,8 @@ class ProbeBatches:
         self._warned: set[str] = set()
         self._looked: set[str] = set()
         self._streams: set[str] = set()
+        self._probed: dict[str, _Probed] = {}
+        """``where`` (``train``, ``train[0]``, ...) -> what its last ``largest`` probes ran on."""
 
     @classmethod
     def from_schedule(
@@ -259,7 +295,47 @@ class ProbeBatches:
             return loader
         batch_size = batch_size_of(loader)
         chosen = scan.largest(batch_size)
+        self._probed[where] = _Probed(dataset, candidates, scan, scan)
         return with_index_order(loader, chosen * steps, batch_size)
+
+    def largest_change(self, stage: str, loaders: Sequence[Any], batch_size: int | None) -> LargestChange | None:
+        """Whether the ``batch_size`` largest samples of ``stage``'s data are now larger than those its last
+        probes ran on (``probe_samples: largest``), or changed at all; None when nothing changed (or never probed).
+
+        ``loaders`` are the ones the stage runs on now (Lightning's, after any reload): with one loader, its
+        dataset is checked, whether the object probed (changed in place) or a new one; otherwise each probed
+        dataset object is checked in place. The check is the size cache's fingerprint (a few dozen samples
+        read); only a changed fingerprint rescans. A change is reported once: the next check compares again
+        only once the data changes again (a search in between records what its probes ran on).
+        """
+        if self.mode != "largest" or batch_size is None:
+            return None
+        probed = {w: p for w, p in self._probed.items() if w == stage or w.startswith(f"{stage}[")}
+        changes = []
+        for where, known in probed.items():
+            dataset, candidates = known.dataset, known.candidates
+            now = loaders[0] if where == stage and len(loaders) == 1 else None
+            if now is not None and why_not_reorderable(now) is None and now.dataset is not known.dataset:
+                dataset = now.dataset
+                candidates = candidate_indices(now.batch_sampler.sampler, len(dataset))
+            if not candidates:
+                continue
+            scan = self.cache.find(dataset, candidates, self.size_fn, self.scan_limit)
+            if scan is None:
+                if self.unindexable(dataset, candidates[0]) is not None:
+                    continue
+                scan, _ = self.cache.get(dataset, candidates, self.size_fn, self.scan_limit)
+                self.scan_seconds += scan.seconds
+                self.say(f"rescanned the sizes of {scan.scanned} {where} samples in {scan.seconds:.2f}s: they changed")
+            if scan is known.seen:
+                continue
+            known.seen = scan
+            before, after = known.scan.sizes[:batch_size], scan.sizes[:batch_size]
+            grew = len(after) > len(before) or any(a > b for a, b in zip(after, before, strict=False))
+            changes.append(LargestChange(grew, before[0] if before else 0, after[0] if after else 0))
+        if not changes:
+            return None
+        return next((c for c in changes if c.search), changes[0])
 
     def unindexable(self, dataset: Any, first: int) -> str | None:
         """A sampler's keys are positions only if ``dataset[position]`` works; say why not otherwise."""
@@ -301,4 +377,11 @@ class ProbeBatches:
             self.say(message, warn=True)
 
 
-__all__ = ["ProbeBatches", "budget_not_ensured", "candidate_indices", "why_not_reorderable", "with_index_order"]
+__all__ = [
+    "LargestChange",
+    "ProbeBatches",
+    "budget_not_ensured",
+    "candidate_indices",
+    "why_not_reorderable",
+    "with_index_order",
+]

@@ -3,12 +3,15 @@
 Every rank runs the same number of batches each epoch, the ranks' batches at a step come from the
 same bucket, every sample trains once per epoch across ranks (up to the padding of each bucket's
 last round), the ranks agree on every bucket size at fit start and after the unfreeze, and every
-real step of each rank stays within the budget.
+real step of each rank stays within the budget. A ``WeightedRandomSampler`` in the user's loader keeps
+its draws under DDP: rank zero's pass, shared out so that across the ranks each epoch trains exactly
+what a fresh copy of the sampler draws, every rank's step at the same bucket.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +82,53 @@ def test_throughput_ranks_agree_and_the_slowest_rank_decides_the_padded_work(tmp
     # rank 0 alone would work at ~1024 padded tokens per step: the slower rank 1 holds it near 512
     assert event0["padded_per_step"] == chosen * longest <= 512 + longest
     assert max(ranks[0]["sizes"]) == max(ranks[1]["sizes"]) == max(event0["bucket_sizes"])
+
+
+# -- a sampler that chooses what trains (issue 28, point 1, under DDP) ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def weighted_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
+    script = Path(__file__).resolve().parents[1] / "ddp" / "run_ddp_buckets_sampler.py"
+    code, output, out = run_rank_scripts({"weighted": ["{out}"]}, script, tmp_path_factory.mktemp("ddp"), 240)[
+        "weighted"
+    ]
+    assert code == 0, output[-4000:]  # a hang is killed at 240 s and reported as TIMED OUT
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    draws = [json.loads((out / f"draws{r}.json").read_text()) for r in (0, 1)]
+    said = [json.loads((out / f"warnings{r}.json").read_text()) for r in (0, 1)]
+    return ranks, draws, said
+
+
+def test_a_weighted_sampler_under_ddp_trains_exactly_its_draws_across_ranks_at_one_bucket_per_step(
+    weighted_ranks: tuple[list[dict[str, Any]], list[Any], list[Any]],
+) -> None:
+    from tests.ddp.run_ddp_buckets_sampler import NUM_SAMPLES, N, make_sampler
+
+    ranks, draws, said = weighted_ranks
+    assert not any("batching: fixed" in m for m in said[0]), said[0]  # bucketed, no fallback
+    fresh = make_sampler()  # a fresh copy, the same generator seed: what a plain loader over it draws
+    expected = [[int(i) for i in fresh] for _ in range(2)]
+    assert expected[0] != expected[1]
+    data = bucket_data.IndexedTokens(bucket_data.long_tail_lengths(N))
+    bounds = ranks[0]["history"][0]["bucket_bounds"]
+    assert ranks[0]["bucket_sizes"] == ranks[1]["bucket_sizes"] and len(set(ranks[0]["bucket_sizes"])) > 1
+    for epoch in range(2):
+        assert draws[0][str(epoch)] == draws[1][str(epoch)] == expected[epoch]  # rank zero's draws, on every rank
+        steps = [[s for s in r["steps"] if s["epoch"] == epoch] for r in ranks]
+        assert len(steps[0]) == len(steps[1]) > 0
+        buckets = [s["bucket"] for s in steps[0]]
+        assert buckets == [s["bucket"] for s in steps[1]] and None not in buckets
+        trained = Counter(i for rank in steps for s in rank for i in s["indices"])
+        assert sum(trained.values()) == NUM_SAMPLES  # odd: not padded to a multiple of the 2 ranks
+        assert trained == Counter(expected[epoch])  # the sampler's draws, as often as drawn, across the ranks
+        share = sum(c for i, c in trained.items() if i % 4 == 0) / NUM_SAMPLES
+        assert share > 0.6, share  # the weights' share (the dataset's is 0.25)
+        for a, b in zip(*steps, strict=True):  # every sample of a step at most as long as its bucket holds
+            assert a["indices"] and b["indices"]
+            assert all(bucket_data.tokens(data[i]) <= bounds[a["bucket"]] for i in a["indices"] + b["indices"])
+    assert len({len(s["indices"]) for s in ranks[0]["steps"]}) > 2  # several bucket sizes trained
+    budget = parse_byte_size(bucket_data.BUDGET)
+    assert all(max(r["peaks"]) <= budget for r in ranks), [max(r["peaks"]) / budget for r in ranks]
+    # every rank reports the same samples per step (the whole epoch's draws over every rank's steps)
+    assert [e["samples_per_step"] for e in ranks[0]["history"]] == [e["samples_per_step"] for e in ranks[1]["history"]]

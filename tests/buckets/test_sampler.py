@@ -6,7 +6,8 @@ the sampler is iterated once at the epoch's start, with its own generator, and e
 each as often as drawn, train, grouped by size. Before, buckets replaced such a sampler: the label
 share of a ``WeightedRandomSampler`` fell from its draws' to the dataset's, ``num_samples`` was ignored
 and excluded samples trained. A sampler whose draws cannot be known before the epoch (no ``__len__``)
-keeps the loader as the user built it (``batching: fixed``), with one warning that names it.
+keeps the loader as the user built it (``batching: fixed``), with one warning that names it. Under several
+processes rank zero's draws are shared out (the pure plan here, 2 gloo ranks in tests/buckets/test_ddp.py).
 
 Every check compares the samples ``training_step`` saw, epoch by epoch, with the draws of a fresh copy
 of the same sampler (same generator seed) iterated as a plain ``DataLoader`` would iterate it: exact
@@ -15,6 +16,7 @@ multiset equality. Every real step is measured (``StepPeaks``) against the memor
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,7 +35,14 @@ from torch.utils.data import (
 )
 
 from retune import ScheduledBatchSizeFinder
-from retune.buckets.drawn import DrawnBucketBatchSampler, draw_epoch, drawn_batches, why_draws_unknown
+from retune.buckets.drawn import (
+    DrawnBucketBatchSampler,
+    bucket_of_index,
+    draw_epoch,
+    drawn_batches,
+    drawn_steps,
+    why_draws_unknown,
+)
 from retune.buckets.plan import Buckets
 from retune.buckets.train_buckets import TrainBuckets, sampler_that_chooses
 from retune.errors import RetuneError
@@ -327,18 +336,44 @@ def test_a_sampler_whose_draws_cannot_be_known_falls_back_to_fixed_with_a_warnin
     assert [len(b) for b in seen.epochs[0]] == [finder.batch_size] * 4
 
 
-def test_under_several_processes_a_choosing_sampler_falls_back_with_its_name() -> None:
+def test_under_several_processes_a_sampler_is_bucketed_unless_the_ranks_cannot_share_its_draws() -> None:
+    # rank zero's draws are shared out (tests/buckets/test_ddp.py runs it on 2 ranks); a sampler that shards
+    # itself, or one Lightning does not share out (use_distributed_sampler=False), keeps today's fallback
+    class OwnShards(DistributedSampler):  # type: ignore[type-arg]
+        """A user's DistributedSampler subclass: each rank draws its own share."""
+
     weighted = WeightedRandomSampler(_weights(), 100)
     assert why_draws_unknown(weighted, world_size=1) is None
-    reason = why_draws_unknown(weighted, world_size=2)
-    assert reason is not None and "WeightedRandomSampler" in reason and "2 processes" in reason
+    assert why_draws_unknown(weighted, world_size=2) is None
+    own = OwnShards(range(N), num_replicas=2, rank=0)
+    reason = why_draws_unknown(own, world_size=2)
+    assert reason is not None and "OwnShards" in reason and "shards them itself across the 2 processes" in reason
+    assert why_draws_unknown(own, world_size=1) is None  # one process: its draws are the epoch
+    unshared = why_draws_unknown(weighted, world_size=2, sharded_by_lightning=False)
+    assert unshared is not None and "WeightedRandomSampler" in unshared and "use_distributed_sampler=False" in unshared
+    endless = why_draws_unknown(Endless(N), world_size=2)
+    assert endless is not None and "Endless" in endless and "no __len__" in endless
     from retune.probing.probe_batches import ProbeBatches
 
     buckets = TrainBuckets(4, ProbeBatches("largest", tokens))
     buckets._world_size = 2
-    assert buckets.why_not(make_loader(weighted)) == reason
+    assert buckets.why_not(make_loader(weighted)) is None
+    assert buckets.why_not(make_loader(own)) == reason
+    assert buckets.why_not(make_loader(Endless(N))) == endless
     assert buckets.why_not(make_loader(RandomSampler(range(N)))) is None  # every sample once: bucketed as before
     assert buckets.why_not(make_loader(DistributedSampler(range(N), num_replicas=2, rank=0))) is None
+    buckets._shared_out = False
+    assert buckets.why_not(make_loader(weighted)) == unshared
+
+
+@pytest.mark.parametrize("shared_out", [True, False])
+def test_whether_lightning_shares_out_a_sampler_is_read_from_the_trainer(shared_out: bool) -> None:
+    from retune import compat
+    from tests.helpers.lightning_ns import LEGACY
+
+    flag = "replace_sampler_ddp" if LEGACY else "use_distributed_sampler"
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, **{flag: shared_out})
+    assert compat.shares_out_samplers(trainer) is shared_out
 
 
 def test_which_samplers_choose() -> None:
@@ -396,3 +431,101 @@ def test_drawn_sampler_draws_once_per_epoch() -> None:
     assert len(calls) == 1  # length, batches and buckets of the epoch come from one pass
     sampler.set_epoch(1)
     assert len(sampler) == 2 and len(calls) == 2
+
+
+def test_drawn_steps_under_several_ranks_train_every_draw_once_at_one_bucket_per_step() -> None:
+    # random buckets, sizes, draws and world sizes: each step gives every rank 1..size samples, holds only samples
+    # of its bucket or shorter ones (their memory fits), and every draw trains exactly once across the ranks unless
+    # no step could spare a sample for the longest bucket's last step (then at most world_size - 1 repeats)
+    rng = random.Random(0)
+    padded = 0
+    for _ in range(2000):
+        count, world = rng.randint(1, 4), rng.randint(1, 4)
+        members, start = [], 0
+        for _ in range(count):
+            size = rng.randint(1, 6)
+            members.append(tuple(range(start, start + size)))
+            start += size
+        bounds = tuple(10 * (b + 1) for b in range(count))
+        buckets = Buckets(bounds, tuple(members), bounds)
+        sizes = [rng.randint(1, 5) for _ in range(count)]
+        draws = [rng.randrange(start) for _ in range(rng.randint(0, 60))]
+        where = bucket_of_index(buckets)
+        steps = drawn_steps(buckets, sizes, draws, world_size=world)
+        plans = [drawn_batches(buckets, sizes, draws, world_size=world, rank=r) for r in range(world)]
+        trained = Counter(i for plan in plans for b in plan for i in b.indices)
+        assert trained == Counter(i for s in steps for i in s.group)
+        extra = trained - Counter(draws)
+        if extra:
+            padded += 1
+            assert trained - extra == Counter(draws) and extra.total() < world
+            # no step of shorter samples could spare the missing ones and still give every rank a sample
+            assert all(len(s.group) - extra.total() < world for s in steps if s.bucket != count - 1)
+        else:
+            assert trained == Counter(draws)
+        for step in steps:
+            assert world <= len(step.group) <= sizes[step.bucket] * world
+            assert all(where[i] <= step.bucket for i in step.group)
+        for plan in plans:
+            assert [b.bucket for b in plan] == [s.bucket for s in steps]
+            assert all(1 <= len(b.indices) <= sizes[b.bucket] for b in plan)
+        if world == 1:
+            assert plans[0] == drawn_batches(buckets, sizes, draws)  # one process: the plan it always was
+    assert 0 < padded < 300, padded  # the fallback of tiny epochs, not the rule
+
+
+def test_drawn_steps_fill_the_longest_buckets_last_step_from_shorter_samples_not_with_repeats() -> None:
+    # 2 ranks, the long bucket at size 1 with an odd number of draws: its last step takes a short sample from a
+    # step that can spare one, where DistributedSampler would repeat a long one
+    buckets = Buckets((10, 50), ((0, 1, 2), (3, 4)), (10, 50))
+    draws = [0, 1, 3, 2, 4, 0, 3, 1, 2]
+    steps = drawn_steps(buckets, [4, 1], draws, world_size=2)
+    assert Counter(i for s in steps for i in s.group) == Counter(draws)
+    assert [(s.bucket, s.group) for s in steps] == [(0, (0, 1, 2, 0, 1)), (1, (3, 4)), (1, (3, 2))]
+    only_long = drawn_steps(buckets, [4, 1], [3, 4, 3], world_size=2)  # nothing shorter to take: one repeat
+    assert [s.group for s in only_long] == [(3, 4), (3, 3)]
+
+
+def test_a_drawn_sampler_of_several_ranks_trains_rank_zeros_draws_and_every_rank_reaches_the_broadcast() -> None:
+    # two ranks simulated in one process: ``share`` gives every rank rank zero's object, as the broadcast does
+    buckets = Buckets((10,), (tuple(range(N)),), (10,))
+    shared: dict[str, Any] = {}
+
+    def share_from(rank: int) -> Callable[[Any], Any]:
+        def share(obj: Any) -> Any:
+            if rank == 0:
+                shared["obj"] = obj
+            shared.setdefault("calls", []).append(rank)
+            return shared["obj"]
+
+        return share
+
+    def weighted(seed_value: int) -> WeightedRandomSampler:
+        return WeightedRandomSampler(_weights(), 61, generator=torch.Generator().manual_seed(seed_value))
+
+    rank1_sampler = weighted(99)  # another seed on rank 1: rank zero's draws win, rank 1's generator still advances
+    ranks = [
+        DrawnBucketBatchSampler(buckets, [8], draws_from=weighted(11), world_size=2, rank=0, share=share_from(0)),
+        DrawnBucketBatchSampler(buckets, [8], draws_from=rank1_sampler, world_size=2, rank=1, share=share_from(1)),
+    ]
+    batches = [list(r) for r in ranks]
+    expected = [int(i) for i in weighted(11)]
+    assert Counter(i for b in batches[0] + batches[1] for i in b) == Counter(expected)
+    assert len(batches[0]) == len(batches[1]) == 4 and ranks[1].draws == expected
+    assert ranks[0].mean_batch() == ranks[1].mean_batch() == 61 / 8
+    state = rank1_sampler.generator.get_state()  # type: ignore[union-attr]
+    assert not torch.equal(state, torch.Generator().manual_seed(99).get_state())  # one pass, as under Lightning
+
+    class Liar(EvenIndices):
+        def __len__(self) -> int:
+            return 3
+
+    shared.clear()
+    failing = DrawnBucketBatchSampler(buckets, [8], draws_from=Liar(N), world_size=2, rank=0, share=share_from(0))
+    waiting = DrawnBucketBatchSampler(
+        buckets, [8], draws_from=EvenIndices(N), world_size=2, rank=1, share=share_from(1)
+    )
+    for sampler in (failing, waiting):
+        with pytest.raises(RetuneError, match=r"rank 0: .*Liar.*more indices than its __len__"):
+            len(sampler)
+    assert shared["calls"] == [0, 1]  # both ranks reached the broadcast: neither waits for the other
