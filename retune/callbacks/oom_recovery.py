@@ -12,7 +12,7 @@ it did not see was not recovered, and turns each recovered step into a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ from retune.recovery.oom_sites import add_note, oom_site, why_not_recovered
 from retune.recovery.split import SplitFn, join_detached
 from retune.recovery.train_step import TrainStepRecovery
 from retune.schedule.models import RetuneSchedule
-from retune.schedule.triggers import OutOfMemory
+from retune.schedule.triggers import OutOfMemory, Trigger
 
 AttrName = Callable[[Any, Any, str], str]
 """``attr(trainer, pl_module, stage)``: the batch-size attribute a stage reads."""
@@ -73,6 +73,30 @@ class OomRecovery:
         """``(max_size, pieces)`` a checkpoint carried, handed to the next train recovery (then reset)."""
         self.resumed_splits: dict[Any, tuple[int | None, int]] = {}
         """With buckets, the split each bucket keeps, as a checkpoint carried it."""
+
+    @classmethod
+    def for_triggers(
+        cls,
+        triggers: Sequence[Trigger],
+        schedule: RetuneSchedule,
+        source: Any,
+        loss_items: str | Callable[[Any], Any] | None,
+        *,
+        split_batch: SplitFn | None,
+        buckets: TrainBuckets | None,
+        say: Say,
+        attr: AttrName,
+        record: Record,
+    ) -> OomRecovery | None:
+        """The recovery of the ``oom`` trigger among ``triggers``, or None without one; ``loss_items`` (the
+        callback's argument) is checked either way (:func:`resolve_loss_items`)."""
+        trigger = next((t for t in triggers if isinstance(t, OutOfMemory)), None)
+        items_fn = resolve_loss_items(schedule, source, trigger, loss_items)
+        if trigger is None:
+            return None
+        return cls(
+            trigger, split_batch=split_batch, items_fn=items_fn, buckets=buckets, say=say, attr=attr, record=record
+        )
 
     # -- setup checks ---------------------------------------------------------------------------
 
