@@ -52,7 +52,7 @@ from retune.recovery.micro_batches import (
     loss_weights,
     samples_in,
 )
-from retune.recovery.oom_sites import SPLITTABLE, add_note, oom_site, why_not_recovered
+from retune.recovery.oom_sites import add_note, oom_site, split_helps, why_not_recovered
 from retune.recovery.running_stats import RunningStats, needs_two_samples
 from retune.recovery.split import SplitError, SplitFn, batch_length, pieces_for, split_batch
 from retune.step_parts import StepParts
@@ -163,12 +163,9 @@ class TrainStepRecovery(KeptSplit):
             return result
         except BaseException as exc:
             stop_journal()
-            if not is_oom_error(exc):
-                raise
+            if not split_helps(exc):
+                raise  # not out of memory, or where a smaller batch needs no less (with a note saying so)
             site = oom_site(exc.__traceback__)
-            if site is not None and site not in SPLITTABLE:
-                add_note(exc, why_not_recovered(site))
-                raise
             forget_exception(exc)  # its frames held the failed forward's activations and graph
         # outside the except block: the exception and the frames holding the failed step's tensors are gone
         result = loss = None
@@ -375,11 +372,7 @@ class TrainStepRecovery(KeptSplit):
                 results.append(result)
                 del result, loss
         except BaseException as exc:
-            if not is_oom_error(exc):
-                raise
-            site = oom_site(exc.__traceback__)
-            if site is not None and site not in SPLITTABLE:
-                add_note(exc, why_not_recovered(site))
+            if not split_helps(exc):
                 raise
             forget_exception(exc)
         else:

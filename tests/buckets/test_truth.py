@@ -7,7 +7,6 @@ cost passes a capacity, so the searches bisect on real out-of-memory steps, as o
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,14 +20,6 @@ from tests.helpers.bucket_data import BucketModel, IndexedTokens, long_tail_leng
 from tests.helpers.lightning_ns import seed
 
 N = 400
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _data() -> IndexedTokens:
