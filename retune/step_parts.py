@@ -2,7 +2,7 @@
 
 A base type shared across the layers: :mod:`retune.compat.closure_runner` builds a :class:`StepParts`
 from the closure Lightning made for a batch (its own forward, zero_grad and backward), and
-:mod:`retune.recovery.step_recovery` runs the step from them, whole or as micro-batches. Neither side
+:mod:`retune.recovery.train_step` runs the step from them, whole or as micro-batches. Neither side
 imports the other: this module is the contract between them.
 """
 

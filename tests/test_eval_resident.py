@@ -11,7 +11,6 @@ is one size).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,14 +26,6 @@ from tests.helpers.bucket_data import BucketModel, IndexedTokens, UnfreezeAt, pa
 from tests.helpers.lightning_ns import pl, seed
 
 BUDGET = parse_byte_size(bucket_data.BUDGET)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class _ValModel(BucketModel):

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from retune.events import Direction
-from retune.search.largest import SearchPlan, run_search
+from retune.search.largest import SearchPlan, nearest_pair, run_search
 
 Measure = Callable[[int, int], tuple[bool, "int | None"]]
 """``measure(bucket, size) -> (fits, peak)``: one probe of ``bucket``'s worst batch at ``size``."""
@@ -477,14 +477,7 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
 
 def _nearest_pair(own: Mapping[int, int], limit: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """The two measured points nearest the limit (one each side when possible), smaller size first."""
-    below = sorted((b for b, p in own.items() if p <= limit), reverse=True)
-    above = sorted(b for b, p in own.items() if p > limit)
-    if below and above:
-        a, b = below[0], above[0]
-    else:
-        side = below if below else above
-        a, b = side[0], side[1]
-    first, second = sorted((a, b))
+    first, second = sorted(nearest_pair(own, limit))
     return (first, own[first]), (second, own[second])
 
 

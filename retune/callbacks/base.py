@@ -2,20 +2,24 @@
 
 ``ScheduledBatchSizeFinder`` and ``ScheduledLRFinder`` both subclass :class:`RetuneCallback` (a
 Lightning ``Callback`` of every installed namespace, picklable after a fit): it loads the schedule and
-builds the triggers from the constructor arguments both take, starts ``setup`` (rank, ``fast_dev_run``),
-prints above Lightning's progress bar (rank zero only), logs an event's metrics, writes the table and
-the files at fit end next to the first logger's, and keeps the history and the triggers' baselines in
-checkpoints; one implementation of each, here. A subclass says what its table and files are
-(:meth:`RetuneCallback._table`, :meth:`RetuneCallback._write_files`).
+builds the triggers from the constructor arguments both take, starts ``setup`` (rank, ``fast_dev_run``,
+this rank's own copy of weights ``ddp_spawn`` shared), keeps the callback after the others, records an
+event (its summary printed above Lightning's progress bar on rank zero, its metrics logged), prints the
+table and writes the files at fit end next to the first logger's, and keeps the history and the
+triggers' baselines in checkpoints; one implementation of each, here. A subclass says which report
+module reads its events (``_report``, an :class:`EventReport`) and what its files are
+(:meth:`RetuneCallback._write_files`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from retune import compat, messages
+from retune.callbacks.ordering import move_retune_last
 from retune.schedule.loading import ScheduleSource, load_schedule
 from retune.schedule.triggers import Trigger, build_triggers
 
@@ -23,6 +27,24 @@ if TYPE_CHECKING:
     _BASES: tuple[type, ...] = (object,)
 else:
     _BASES = compat.callback_base_classes()
+
+log = logging.getLogger("retune")
+
+
+class EventReport(Protocol):
+    """How a callback's events read: :mod:`retune.reports.batch_size` and :mod:`retune.reports.lr` are each one."""
+
+    def format_summary(self, event: Any, where: str | None = None) -> str:
+        """The line that ends a search or a range test (``where``: what it starts with; default ``epoch N``)."""
+        ...
+
+    def event_metrics(self, event: Any) -> dict[str, float]:
+        """What one event sends to the loggers (the keys the callback's docstring lists)."""
+        ...
+
+    def format_table(self, events: Sequence[Any]) -> str:
+        """The table of the run's events printed at fit end."""
+        ...
 
 
 class RetuneCallback(*_BASES):  # type: ignore[misc]
@@ -39,6 +61,8 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
     """One event per search or range test, oldest first (the subclass says which event type)."""
     report_paths: Any
     """The files :meth:`on_fit_end` wrote (None before)."""
+    _report: ClassVar[EventReport]
+    """The report module that reads this callback's events (summary line, logged metrics, table)."""
 
     def __init__(
         self,
@@ -63,15 +87,24 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
     def __getstate__(self) -> dict[str, Any]:
         return compat.without_attached(self.__dict__)
 
-    def _start_setup(self, trainer: Any, skipped: str) -> bool:
+    def _start_setup(self, trainer: Any, pl_module: Any, skipped: str) -> bool:
         """The start of ``setup``: this rank (printing is rank zero's) and whether ``fast_dev_run`` turns the
-        callback off for the run (then True, and one warning says that every ``skipped`` is skipped)."""
+        callback off for the run (then True, and one warning says that every ``skipped`` is skipped). Else
+        this rank gets its own copy of weights ``ddp_spawn`` left in shared memory: a probe or a range test
+        restores the weights from a snapshot, which must not see another rank's steps."""
         self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
         messages.set_rank(int(getattr(trainer, "global_rank", 0)))
         self._disabled = bool(trainer.fast_dev_run)
         if self._disabled:
             self._say(f"fast_dev_run is on: skipping every {skipped} in this run", warn=True)
+        elif compat.unshare_spawned_weights(trainer, pl_module):
+            log.debug("ddp_spawn left this rank's CPU weights in shared memory; gave it its own copy")
         return self._disabled
+
+    def _move_last(self, trainer: Any) -> None:
+        """Run after every other callback in each hook, whatever order the user listed them in (the batch-size
+        search before the range test, which runs at the size found: :mod:`retune.callbacks.ordering`)."""
+        move_retune_last(trainer)
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         """Print the table of the run's events and write the files (rank zero, only when something ran).
@@ -82,16 +115,12 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         if self._disabled or not self.history or not self._is_global_zero:
             return
         if self.verbose:
-            print_above_bar(self._table())
+            print_above_bar(self._report.format_table(self.history))
         out = report_dir(trainer, self.out_dir)
         if not self.write_report or out is None:
             return
         self.report_paths, what = self._write_files(trainer, out)
         self._say(f"{what} in {out}")
-
-    def _table(self) -> str:
-        """The table of the run's events printed at fit end."""
-        raise NotImplementedError
 
     def _write_files(self, trainer: Any, out: Path) -> tuple[Any, str]:
         """Write the run's files into ``out``: their paths, and what they are in words."""
@@ -108,6 +137,12 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
             return
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _record(self, trainer: Any, event: Any, where: str = "", warn: bool = False) -> None:
+        """Keep an event (a search, a range test, a recovered step), print its summary and log its metrics."""
+        self.history.append(event)
+        self._say(self._report.format_summary(event, where), warn=warn)
+        self._log_metrics(trainer, self._report.event_metrics(event))
 
     def _common_state(self) -> dict[str, Any]:
         """The checkpoint keys both callbacks write: the format version, the history, the triggers' baselines."""
@@ -159,4 +194,4 @@ def load_trigger_states(triggers: Sequence[Trigger], saved: Sequence[dict[str, A
             trigger.load_state_dict(state)
 
 
-__all__ = ["RetuneCallback", "load_trigger_states", "print_above_bar", "report_dir", "trigger_states"]
+__all__ = ["EventReport", "RetuneCallback", "load_trigger_states", "print_above_bar", "report_dir", "trigger_states"]

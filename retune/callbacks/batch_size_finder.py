@@ -9,31 +9,27 @@ epoch will train it.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from retune import compat
 from retune.allocator import EXPANDABLE_ADVICE, expandable_segments, stats_for
 from retune.buckets.batching import BucketBatching
 from retune.buckets.train_buckets import BucketState, DataChange, TrainBuckets
-from retune.callbacks.base import RetuneCallback
-from retune.callbacks.oom_recovery import OomRecovery, resolve_loss_items, split_state
-from retune.callbacks.ordering import move_retune_last
+from retune.callbacks.base import EventReport, RetuneCallback
+from retune.callbacks.oom_recovery import OomRecovery, split_state
 from retune.callbacks.stage_attrs import StageAttrs
 from retune.callbacks.trainer_view import training_view
-from retune.errors import RetuneError
 from retune.events import Direction, RetuneEvent, Trial
 from retune.probing.probe_batches import LargestChange, ProbeBatches
 from retune.probing.timing import Clock
 from retune.recovery.split import SplitFn
 from retune.reports import batch_size as report
 from retune.schedule.loading import ScheduleSource
-from retune.schedule.triggers import OutOfMemory, Trigger, evaluate
+from retune.schedule.triggers import Trigger, evaluate
+from retune.search.policies import check_accumulation
 from retune.search.stage import Policies, StageState, search_stage
-
-log = logging.getLogger("retune")
 
 
 class ScheduledBatchSizeFinder(RetuneCallback):
@@ -87,6 +83,7 @@ class ScheduledBatchSizeFinder(RetuneCallback):
     """
 
     _retune_rank = 1  # after every other callback, before a ScheduledLRFinder (retune.callbacks.ordering)
+    _report: ClassVar[EventReport] = report  # each event's summary line, logged metrics, and the table at fit end
 
     def __init__(
         self,
@@ -107,19 +104,17 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         self._buckets = TrainBuckets(search.buckets, self.probe_batches) if search.batching == "buckets" else None
         self.split_batch = split_batch
         self._attrs = StageAttrs(self.schedule, self._say)
-        oom = next((t for t in self.triggers if isinstance(t, OutOfMemory)), None)
-        items_fn = resolve_loss_items(self.schedule, schedule, oom, loss_items)
-        self._recovery = None
-        if oom is not None:  # the `oom` trigger's step recovery (retune.callbacks.oom_recovery)
-            self._recovery = OomRecovery(
-                oom,
-                split_batch=split_batch,
-                items_fn=items_fn,
-                buckets=self._buckets,
-                say=self._say,
-                attr=self._attrs.name,
-                record=self._record,
-            )
+        self._recovery = OomRecovery.for_triggers(  # the `oom` trigger's step recovery; None without the trigger
+            self.triggers,
+            self.schedule,
+            schedule,
+            loss_items,
+            split_batch=split_batch,
+            buckets=self._buckets,
+            say=self._say,
+            attr=self._attrs.name,
+            record=self._record,
+        )
         self.history: list[RetuneEvent] = []
         self.report_paths: report.OutputPaths | None = None
         self._trial_no = 0
@@ -145,26 +140,17 @@ class ScheduledBatchSizeFinder(RetuneCallback):
     # -- Lightning hooks -----------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._start_setup(trainer, "batch-size search"):
+        if self._start_setup(trainer, pl_module, "batch-size search"):
             return
         compat.check_strategy(trainer)
         if self._recovery is not None:
             self._recovery.check_strategy(trainer)
-        if compat.unshare_spawned_weights(trainer, pl_module):
-            log.debug("ddp_spawn left this rank's CPU weights in shared memory; gave it its own copy")
-        stages = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[stage]
-        for tuned in (s for s in stages if s in self.schedule.stages):
-            if not (tuned == "val" and stage == "fit" and not self._attrs.separate_val(trainer, pl_module)):
-                self._attrs.check(trainer, pl_module, tuned)
+        self._attrs.check_setup(trainer, pl_module, stage)
         if stage != "fit":
             return
         if self._recovery is not None:
             self._recovery.check_fit(pl_module)
-        if self.schedule.apply.accumulate == "keep_effective" and compat.accumulation_is_scheduled(trainer):
-            raise RetuneError(
-                "apply.accumulate: keep_effective sets gradient accumulation itself and cannot share it with a "
-                "GradientAccumulationScheduler (or a dict `accumulate_grad_batches`); remove one of the two"
-            )
+        check_accumulation(self.schedule.apply.accumulate, compat.accumulation_is_scheduled(trainer))
         if self._buckets is not None and "train" in self.schedule.stages:
             self._buckets.install(trainer)
         self._move_last(trainer)
@@ -234,23 +220,20 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         self._uninstall()
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if compat.trainer_fn(trainer) == "validate" and not trainer.sanity_checking:
-            self._eval_start(trainer, pl_module, "val", "validate_start")
-        self._guard_eval(trainer, pl_module, "val")
+        searched = compat.trainer_fn(trainer) == "validate" and not trainer.sanity_checking  # not inside fit
+        self._eval_start(trainer, pl_module, "val", "validate_start" if searched else "")
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._unguard_eval()
 
     def on_test_start(self, trainer: Any, pl_module: Any) -> None:
         self._eval_start(trainer, pl_module, "test", "test_start")
-        self._guard_eval(trainer, pl_module, "test")
 
     def on_test_end(self, trainer: Any, pl_module: Any) -> None:
         self._unguard_eval()
 
     def on_predict_start(self, trainer: Any, pl_module: Any) -> None:
         self._eval_start(trainer, pl_module, "predict", "predict_start")
-        self._guard_eval(trainer, pl_module, "predict")
 
     def on_predict_end(self, trainer: Any, pl_module: Any) -> None:
         self._unguard_eval()
@@ -275,10 +258,6 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         saved_buckets = state_dict.get("buckets")
         if self._buckets is not None and saved_buckets:
             self._buckets.state = BucketState.from_dict(saved_buckets)
-
-    def _guard_eval(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if not self._disabled and self._recovery is not None:
-            self._recovery.guard_eval(trainer, pl_module, stage)
 
     def _unguard_eval(self) -> None:
         if self._recovery is not None:
@@ -329,9 +308,14 @@ class ScheduledBatchSizeFinder(RetuneCallback):
     # -- the search ----------------------------------------------------------------------------
 
     def _eval_start(self, trainer: Any, pl_module: Any, stage: str, label: str) -> None:
-        if self._disabled or stage not in self.schedule.stages:
+        """An evaluation loop starts: search its batch size (``label``, the event's trigger; empty: no search),
+        then guard its steps against running out of memory (the ``oom`` trigger)."""
+        if self._disabled:
             return
-        self._search(trainer, pl_module, stage, label, "unknown", cold=self._stage(stage).last is None)
+        if label and stage in self.schedule.stages:
+            self._search(trainer, pl_module, stage, label, "unknown", cold=self._stage(stage).last is None)
+        if self._recovery is not None:
+            self._recovery.guard_eval(trainer, pl_module, stage)
 
     def _search(self, trainer: Any, pl_module: Any, stage: str, label: str, direction: Direction, cold: bool) -> None:
         name = self._attrs.name(trainer, pl_module, stage)
@@ -365,30 +349,14 @@ class ScheduledBatchSizeFinder(RetuneCallback):
     def _stage(self, stage: str) -> StageState:
         return self._stages.setdefault(stage, StageState())
 
-    def _move_last(self, trainer: Any) -> None:
-        """Run after every other callback in each hook, whatever order the user listed them in (but before
-        a ``ScheduledLRFinder``, whose range test runs at the batch size found here: ``retune.callbacks.ordering``)."""
-        move_retune_last(trainer)
-
     def _report_trial(self, size: int, fits: bool, peak: int | None, samples_per_s: float | None = None) -> None:
         self._trial_no += 1
         bucket = None if self._buckets is None else self._buckets.current_bucket
         self._say("  " + report.format_trial(self._trial_no, size, fits, peak, samples_per_s, bucket=bucket))
 
-    def _record(self, trainer: Any, event: RetuneEvent, where: str = "", warn: bool = False) -> None:
-        """Keep an event (a search, a recovered step), print its summary and log its metrics."""
-        self.history.append(event)
-        self._say(report.format_summary(event, where), warn=warn)
-        self._log_metrics(trainer, report.event_metrics(event))
-
-    def _table(self) -> str:
-        return report.format_table(self.history)
-
     def _write_files(self, trainer: Any, out: Path) -> tuple[report.OutputPaths, str]:
-        budgets = [e.budget_bytes for e in self.history if e.budget_bytes is not None]
-        paths = report.write_outputs(
-            self.history, out, end_step=trainer.global_step, budget_bytes=budgets[-1] if budgets else None
-        )
+        budget = next((e.budget_bytes for e in reversed(self.history) if e.budget_bytes is not None), None)
+        paths = report.write_outputs(self.history, out, end_step=trainer.global_step, budget_bytes=budget)
         return paths, "history, CSV and plot"
 
 

@@ -14,11 +14,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from retune import compat
-from retune.callbacks.base import RetuneCallback
-from retune.callbacks.ordering import move_retune_last
+from retune.callbacks.base import EventReport, RetuneCallback
 from retune.callbacks.trainer_view import group_infos, training_view
 from retune.errors import RetuneError
 from retune.lr.apply import nominal_lr, set_group_lr
@@ -76,6 +75,9 @@ class ScheduledLRFinder(RetuneCallback):
     """
 
     _retune_rank = 2  # after every other callback and after ScheduledBatchSizeFinder (retune.callbacks.ordering)
+    _report: ClassVar[EventReport] = (
+        lr_report  # each range test's summary line, logged metrics, and the table at fit end
+    )
 
     def __init__(
         self,
@@ -102,7 +104,7 @@ class ScheduledLRFinder(RetuneCallback):
     # -- Lightning hooks -----------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._start_setup(trainer, "learning-rate range test") or stage != "fit":
+        if self._start_setup(trainer, pl_module, "learning-rate range test") or stage != "fit":
             return
         if int(getattr(trainer, "world_size", 1)) > 1 and not compat.is_ddp(trainer):
             raise RetuneError(
@@ -110,8 +112,7 @@ class ScheduledLRFinder(RetuneCallback):
                 f"{type(trainer.strategy).__name__} shards the model, which range-test steps on the unwrapped module "
                 "cannot run"
             )
-        compat.unshare_spawned_weights(trainer, pl_module)
-        move_retune_last(trainer)
+        self._move_last(trainer)
         if not self._defaults_said and "lr_find" not in self.schedule.model_fields_set:
             self._defaults_said = True
             self._say(lr_report.defaults_notice(self.schedule.lr_find))
@@ -119,7 +120,7 @@ class ScheduledLRFinder(RetuneCallback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self._disabled:
             return
-        move_retune_last(trainer)  # again: another callback's setup may have rebuilt the list
+        self._move_last(trainer)  # again: another callback's setup may have rebuilt the list
         count = len(trainer.optimizers)
         if count != 1:
             raise RetuneError(
@@ -230,12 +231,7 @@ class ScheduledLRFinder(RetuneCallback):
             mode=config.mode,
             note=note,
         )
-        self.history.append(event)
-        self._say(lr_report.format_summary(event))
-        self._log_metrics(trainer, lr_report.event_metrics(event))
-
-    def _table(self) -> str:
-        return lr_report.format_table(self.history)
+        self._record(trainer, event)
 
     def _write_files(self, trainer: Any, out: Path) -> tuple[lr_report.LROutputPaths, str]:
         """lr_history.json, lr_history.csv and lr_find.png."""

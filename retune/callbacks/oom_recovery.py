@@ -1,17 +1,18 @@
 """The ``oom`` trigger's step recovery wired into a fit: what ``ScheduledBatchSizeFinder`` owns for it.
 
-The mechanics (re-running a step in micro-batches, exactly) live in :mod:`retune.recovery.step_recovery`;
-this module is their wiring into Lightning's hooks, kept out of the callback so the callback stays a
-thin layer of hooks: :class:`OomRecovery` installs the train recovery in Lightning's closure (with
-gradient sync under DDP), wraps each evaluation step for one loop run, keeps the split an epoch
-trains with across a checkpoint, notes why an out-of-memory error it did not see was not recovered,
-and turns each recovered step into a :class:`~retune.events.RetuneEvent` the callback records.
+The mechanics (re-running a step in micro-batches, exactly) live in :mod:`retune.recovery.train_step`
+and :mod:`retune.recovery.eval_step`; this module is their wiring into Lightning's hooks, kept out of
+the callback so the callback stays a thin layer of hooks: :class:`OomRecovery` installs the train
+recovery in Lightning's closure (with gradient sync under DDP), wraps each evaluation step for one
+loop run, keeps the split an epoch trains with across a checkpoint, notes why an out-of-memory error
+it did not see was not recovered, and turns each recovered step into a
+:class:`~retune.events.RetuneEvent` the callback records.
 :func:`resolve_loss_items` checks the ``token_mean`` counting function when the callback is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +24,15 @@ from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.events import RetuneEvent
 from retune.messages import Say
 from retune.oom import is_oom_error
+from retune.recovery.eval_step import EvalStepRecovery
 from retune.recovery.exactness import ExactnessCheck
 from retune.recovery.loss_items import ItemsFn, resolve_items_fn
+from retune.recovery.micro_batches import LossReduction, Recovered
 from retune.recovery.oom_sites import add_note, oom_site, why_not_recovered
 from retune.recovery.split import SplitFn, join_detached
-from retune.recovery.step_recovery import EvalStepRecovery, LossReduction, Recovered, TrainStepRecovery
+from retune.recovery.train_step import TrainStepRecovery
 from retune.schedule.models import RetuneSchedule
-from retune.schedule.triggers import OutOfMemory
+from retune.schedule.triggers import OutOfMemory, Trigger
 
 AttrName = Callable[[Any, Any, str], str]
 """``attr(trainer, pl_module, stage)``: the batch-size attribute a stage reads."""
@@ -70,6 +73,30 @@ class OomRecovery:
         """``(max_size, pieces)`` a checkpoint carried, handed to the next train recovery (then reset)."""
         self.resumed_splits: dict[Any, tuple[int | None, int]] = {}
         """With buckets, the split each bucket keeps, as a checkpoint carried it."""
+
+    @classmethod
+    def for_triggers(
+        cls,
+        triggers: Sequence[Trigger],
+        schedule: RetuneSchedule,
+        source: Any,
+        loss_items: str | Callable[[Any], Any] | None,
+        *,
+        split_batch: SplitFn | None,
+        buckets: TrainBuckets | None,
+        say: Say,
+        attr: AttrName,
+        record: Record,
+    ) -> OomRecovery | None:
+        """The recovery of the ``oom`` trigger among ``triggers``, or None without one; ``loss_items`` (the
+        callback's argument) is checked either way (:func:`resolve_loss_items`)."""
+        trigger = next((t for t in triggers if isinstance(t, OutOfMemory)), None)
+        items_fn = resolve_loss_items(schedule, source, trigger, loss_items)
+        if trigger is None:
+            return None
+        return cls(
+            trigger, split_batch=split_batch, items_fn=items_fn, buckets=buckets, say=say, attr=attr, record=record
+        )
 
     # -- setup checks ---------------------------------------------------------------------------
 

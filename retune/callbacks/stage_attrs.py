@@ -47,6 +47,14 @@ class StageAttrs:
                 f"{compat.dataloader_hook(stage)}() reads"
             )
 
+    def check_setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """At ``setup(stage)``: :meth:`check` every tuned stage that entry point runs (validation inside fit only
+        when it has its own attribute: :meth:`separate_val`)."""
+        stages = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[stage]
+        for tuned in (s for s in stages if s in self.schedule.stages):
+            if not (tuned == "val" and stage == "fit" and not self.separate_val(trainer, pl_module)):
+                self.check(trainer, pl_module, tuned)
+
     def warn_duplicate(self, trainer: Any, pl_module: Any, name: str, stage: str, loader: Any) -> None:
         """Once per attribute name: it is set in several places (model and ``model.hparams``...), which
         Lightning warns about too; retune keeps writing all of them (see ``retune.probing.batch_size_attr``)."""

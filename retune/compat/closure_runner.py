@@ -4,7 +4,7 @@ Two jobs, both on the hot path of every training step, so both are built once pe
 few attribute writes per step when nothing runs out of memory (``tests/benchmarks/bench_oom_overhead.py``):
 
 * :func:`install_closure_runner` routes the body of every training closure the fit loop builds
-  through :meth:`retune.recovery.step_recovery.TrainStepRecovery.run`, handing it the closure's parts (the loop's
+  through :meth:`retune.recovery.train_step.TrainStepRecovery.run`, handing it the closure's parts (the loop's
   own ``_training_step``, zero_grad and backward: every hook Lightning calls there stays Lightning's);
 * :class:`StepLogs` is the one interceptor of the epoch's ``self.log`` collection
   (``_ResultCollection.update_metrics``), installed once. Per step it can *journal* (note the previous
@@ -121,7 +121,7 @@ class StepLogs:
                 _put_refs(results[key], refs)
         self.before.clear()
 
-    # -- micro-batches of a recovered step (retune.recovery.step_recovery.MicroLogs) ---------------------------
+    # -- micro-batches of a recovered step (retune.step_parts.MicroLogs) ---------------------------------------
 
     @contextmanager
     def record(self, micro: Any) -> Iterator[None]:

@@ -138,7 +138,7 @@ def _write_back(
 class SyncedSteps:
     """Runs each training step's closure with DDP's reducer off, then synchronises as described above.
 
-    ``run`` is the local step (a :class:`~retune.recovery.step_recovery.TrainStepRecovery`'s ``run``);
+    ``run`` is the local step (a :class:`~retune.recovery.train_step.TrainStepRecovery`'s ``run``);
     ``accumulating()`` says whether this batch ends without an optimizer step.
     """
 

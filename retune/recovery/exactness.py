@@ -1,6 +1,6 @@
 """Refuse, at fit start, an ``oom`` trigger whose recovery could not be exact for this loss (no Lightning here).
 
-A step recovered in micro-batches (:mod:`retune.recovery.step_recovery`) weights each micro-batch's loss by
+A step recovered in micro-batches (:mod:`retune.recovery.train_step`) weights each micro-batch's loss by
 its share of the batch, as ``loss_reduction`` says (samples, counted items, or 1 for a sum). That makes the
 whole batch's update only when the whole batch's loss *is* that weighted combination of its pieces' losses.
 It is not for a sum loss left at the default ``mean``, for a causal LM whose items are counted without the
@@ -9,7 +9,7 @@ showed it: the run went on with updates that differ from the whole batch's.
 
 So on the first training batch, before it trains, retune computes the loss of the whole batch and of its two
 halves (:func:`~retune.recovery.split.split_batch`, the split the recovery itself makes), recombines the
-halves with the weights the recovery would use (:func:`~retune.recovery.step_recovery.loss_weights`), and
+halves with the weights the recovery would use (:func:`~retune.recovery.micro_batches.loss_weights`), and
 compares. Equal within float noise: the recovery is exact for this loss. Otherwise the ``oom`` trigger is
 refused with a :class:`~retune.errors.RetuneError` naming the likely cause, found by trying the other
 weightings on the same numbers (:func:`judge`): a weighting that reproduces the whole batch's loss names the
@@ -49,8 +49,8 @@ from retune.errors import RetuneError
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.probing.sample_sizes import preserved_rng
 from retune.recovery.loss_items import BUILTIN, ItemsFn
+from retune.recovery.micro_batches import LossReduction, loss_weights, samples_in
 from retune.recovery.split import SplitFn, split_batch
-from retune.recovery.step_recovery import LossReduction, _samples_or_none, loss_weights
 from retune.step_parts import StepParts
 
 FULL_RTOL = 1e-4
@@ -241,7 +241,7 @@ class _Skip(Exception):
 
 
 class ExactnessCheck:
-    """The first-batch check, run by :class:`~retune.recovery.step_recovery.TrainStepRecovery` before the batch trains.
+    """The first-batch check, run by :class:`~retune.recovery.train_step.TrainStepRecovery` before the batch trains.
 
     ``agree(obj)`` returns every rank's ``obj`` in rank order (``[obj]`` on one device): the ranks exchange
     their state after each forward, so they run the same forwards (a ``training_step`` that calls a collective,
@@ -291,7 +291,7 @@ class ExactnessCheck:
 
     def _measure(self, step: StepParts) -> tuple[list[Verdict], list[int | None]]:
         micro, configured, others = self._prepare(step.batch)
-        samples = [_samples_or_none(m) for m in micro]
+        samples = [samples_in(m) for m in micro]
         rtol = REDUCED_RTOL if uses_reduced_precision(self.module, self.precision_reduced) else FULL_RTOL
         with no_trace(self.module):
             whole = self._loss(step, step.batch, "the whole batch")

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from types import TracebackType
 
+from retune.oom import is_oom_error
+
 SPLITTABLE = frozenset(
     {"training_step", "backward", "on_before_backward", "on_before_zero_grad", "optimizer_zero_grad"}
 )
@@ -98,6 +100,23 @@ def why_not_recovered(site: str | None) -> str:
     )
 
 
+def split_helps(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error that training the batch as micro-batches recovers: one
+    raised at a :data:`SPLITTABLE` site, or where no hook can be told. An OOM raised elsewhere gets the
+    note :func:`why_not_recovered` writes, for the caller to re-raise.
+
+    >>> split_helps(ValueError("not memory"))
+    False
+    """
+    if not is_oom_error(exc):
+        return False
+    site = oom_site(exc.__traceback__)
+    if site is not None and site not in SPLITTABLE:
+        add_note(exc, why_not_recovered(site))
+        return False
+    return True
+
+
 def add_note(exc: BaseException, note: str) -> None:
     """Attach ``note`` to ``exc`` once (Python prints notes under the traceback; the type stays the same)."""
     notes = getattr(exc, "__notes__", None) or []
@@ -106,4 +125,4 @@ def add_note(exc: BaseException, note: str) -> None:
     exc.add_note(note)
 
 
-__all__ = ["NOTE_PREFIX", "SPLITTABLE", "add_note", "oom_site", "why_not_recovered"]
+__all__ = ["NOTE_PREFIX", "SPLITTABLE", "add_note", "oom_site", "split_helps", "why_not_recovered"]

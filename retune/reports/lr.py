@@ -114,8 +114,8 @@ def format_lr(value: float | None) -> str:
     return "-" if value is None else f"{value:.3g}"
 
 
-def format_summary(event: LRFindEvent) -> str:
-    """The line that ends a range test."""
+def format_summary(event: LRFindEvent, where: str | None = None) -> str:
+    """The line that ends a range test; ``where`` defaults to ``epoch N``."""
     before = ", ".join(format_lr(v) for v in event.lrs_before)
     groups = ",".join(map(str, event.groups))
     if event.lr_after is None:
@@ -124,7 +124,7 @@ def format_summary(event: LRFindEvent) -> str:
         result = f"lr {before} -> {format_lr(event.lr_after)}"
     stop = ", stopped early: loss diverged" if event.stopped_early else ""
     return (
-        f"epoch {event.epoch}: param groups [{groups}] {result} ({event.method}; {event.steps} of "
+        f"{where or f'epoch {event.epoch}'}: param groups [{groups}] {result} ({event.method}; {event.steps} of "
         f"{event.steps_planned} steps{stop}, {event.duration_s:.2f}s, trigger {event.trigger})"
     )
 

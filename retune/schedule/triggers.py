@@ -190,7 +190,7 @@ class FtsPhase:
 class OutOfMemory:
     """Fires at the first epoch start after a real step ran out of memory and was recovered.
 
-    The recovery (:mod:`retune.recovery.step_recovery`) reports each event with :meth:`record`; the search that
+    The recovery (:mod:`retune.recovery.train_step`) reports each event with :meth:`record`; the search that
     follows is warm and treats the failed batch size as a known failure ("down").
     """
 

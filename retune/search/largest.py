@@ -28,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -295,17 +295,29 @@ def _slope_left_of(points: dict[int, int], size: int) -> float:
     return (points[size] - points[nearest]) / (size - nearest)
 
 
+def nearest_pair(points: Mapping[int, float], limit: float) -> tuple[int, int]:
+    """The two sizes whose peaks are nearest ``limit``: the largest at or under it and the smallest over it
+    when there are both, else the two nearest on the one side (at least two points). A line through them
+    describes memory where a search needs it (the measured or traced points of a peak-vs-size line).
+
+    >>> nearest_pair({8: 100, 16: 190, 32: 380}, limit=250)
+    (16, 32)
+    >>> nearest_pair({8: 100, 16: 190, 32: 380}, limit=1000)
+    (32, 16)
+    """
+    below = sorted((s for s, p in points.items() if p <= limit), reverse=True)
+    above = sorted(s for s, p in points.items() if p > limit)
+    if below and above:
+        return below[0], above[0]
+    side = below if below else above
+    return side[0], side[1]
+
+
 def _secant(points: dict[int, int], limit: int) -> MemoryModel | None:
     """The line through the two measured points nearest the limit (one on each side when possible)."""
     if len(points) < 2:
         return None
-    below = sorted((s for s, p in points.items() if p <= limit), reverse=True)
-    above = sorted(s for s, p in points.items() if p > limit)
-    if below and above:
-        a, b = below[0], above[0]
-    else:
-        side = below if below else above
-        a, b = side[0], side[1]
+    a, b = nearest_pair(points, limit)
     if a == b:
         return None
     slope = (points[b] - points[a]) / (b - a)
@@ -318,6 +330,7 @@ __all__ = [
     "SearchPlan",
     "SearchResult",
     "apply_margin",
+    "nearest_pair",
     "plan_search",
     "run_model_search",
     "run_search",

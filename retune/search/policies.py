@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from retune.errors import RetuneError
+
 
 @dataclass(frozen=True)
 class Accumulation:
@@ -49,6 +51,22 @@ def accumulation_for(target_effective: int, batch_size: int) -> Accumulation:
         raise ValueError(f"batch sizes must be >= 1, got target {target_effective} and batch {batch_size}")
     accumulate = max(1, round(target_effective / batch_size))
     return Accumulation(accumulate, accumulate * batch_size, target_effective)
+
+
+def check_accumulation(policy: str, scheduled: bool) -> None:
+    """Refuse ``accumulate: keep_effective`` where the run schedules its accumulation itself (``scheduled``:
+    a ``GradientAccumulationScheduler`` or a dict ``accumulate_grad_batches``): both would set it.
+
+    >>> check_accumulation("keep_effective", scheduled=False)
+    >>> check_accumulation("keep_effective", scheduled=True)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    retune.errors.RetuneError: apply.accumulate: keep_effective sets gradient accumulation itself ...
+    """
+    if policy == "keep_effective" and scheduled:
+        raise RetuneError(
+            "apply.accumulate: keep_effective sets gradient accumulation itself and cannot share it with a "
+            "GradientAccumulationScheduler (or a dict `accumulate_grad_batches`); remove one of the two"
+        )
 
 
 def lr_factor(policy: str, old_effective: int, new_effective: int) -> float:
@@ -106,4 +124,12 @@ def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], holders: I
                 setattr(holder, attr, value * factor)
 
 
-__all__ = ["GROUP_LR_KEYS", "Accumulation", "accumulation_for", "is_rate", "lr_factor", "scale_learning_rates"]
+__all__ = [
+    "GROUP_LR_KEYS",
+    "Accumulation",
+    "accumulation_for",
+    "check_accumulation",
+    "is_rate",
+    "lr_factor",
+    "scale_learning_rates",
+]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from retune.events import Trial
 from retune.prediction.line import Calibration, PeakLine, calibrate
-from retune.search.largest import MemoryModel, SearchPlan, SearchResult, _apply_margin
+from retune.search.largest import MemoryModel, SearchPlan, SearchResult, _apply_margin, nearest_pair
 
 __all__ = [
     "Prediction",
@@ -81,13 +81,7 @@ def secant_line(points: Mapping[int, float], limit: float) -> PeakLine | None:
     points near the limit describe it there. None with fewer than two sizes."""
     if len(points) < 2:
         return None
-    below = sorted((s for s, p in points.items() if p <= limit), reverse=True)
-    above = sorted(s for s, p in points.items() if p > limit)
-    if below and above:
-        a, b = below[0], above[0]
-    else:
-        side = below if below else above
-        a, b = side[0], side[1]
+    a, b = nearest_pair(points, limit)
     slope = (points[b] - points[a]) / (b - a)
     return PeakLine(points[a] - slope * a, slope)
 

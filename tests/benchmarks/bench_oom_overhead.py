@@ -142,7 +142,7 @@ def own_work(calls: int = 100_000) -> dict[str, float]:
     Timing it inside a real fit does not isolate it: tensors of the previous step are freed when retune
     drops its references, and a profiler charges their deallocation to retune's frames.
     """
-    from retune.recovery.step_recovery import TrainStepRecovery
+    from retune.recovery.train_step import TrainStepRecovery
     from retune.step_parts import StepParts
 
     net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 10))

@@ -8,13 +8,9 @@ Every real step is measured independently of retune's probes (``tests/helpers/va
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
-
-import pytest
-import torch
 
 from retune import ScheduledBatchSizeFinder
 from retune.probing.sample_sizes import FINGERPRINT_LARGEST, FINGERPRINT_SAMPLES
@@ -25,14 +21,6 @@ from tests.helpers.varlen import StepPeaks
 
 BUDGET = 5 * 2**20  # bucket_data.BUDGET
 N = 300
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Curriculum(IndexedTokens):

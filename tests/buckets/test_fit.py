@@ -31,14 +31,6 @@ BUDGET = parse_byte_size(bucket_data.BUDGET)
 N = 400
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _data() -> IndexedTokens:
     return IndexedTokens(long_tail_lengths(N))
 

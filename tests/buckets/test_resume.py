@@ -9,7 +9,6 @@ raises the real OOM error type (``torch.OutOfMemoryError``) when ``batch x longe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,6 @@ from tests.helpers.bucket_data import BucketModel, IndexedTokens, long_tail_leng
 from tests.helpers.lightning_ns import LEGACY, pl, seed
 
 N = 300
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _data() -> IndexedTokens:

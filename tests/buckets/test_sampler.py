@@ -57,14 +57,6 @@ N = 200
 BUDGET = parse_byte_size(bucket_data.BUDGET)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class EvenIndices(Sampler[int]):
     """A custom sampler that trains on a subset: the even indices only (in order)."""
 

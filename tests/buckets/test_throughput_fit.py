@@ -8,7 +8,6 @@ nothing depends on real timing; memory is measured against the CPU budget as in 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +38,6 @@ BUDGET = parse_byte_size(bucket_data.BUDGET)
 N = 400
 TOL = 0.03  # as tests/search/test_throughput_fit.py: the default tolerance (0.02) and the ladder between timed sizes
 TIMES = PaddedStepTime(knee=1024)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _fit(

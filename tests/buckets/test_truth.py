@@ -7,7 +7,6 @@ cost passes a capacity, so the searches bisect on real out-of-memory steps, as o
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,14 +20,6 @@ from tests.helpers.bucket_data import BucketModel, IndexedTokens, long_tail_leng
 from tests.helpers.lightning_ns import seed
 
 N = 400
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _data() -> IndexedTokens:
@@ -92,8 +83,14 @@ def _oracle_schedule(oom: bool, **search: Any) -> dict[str, Any]:
         triggers.append({"kind": "oom"})
     return {
         "triggers": triggers,
-        "search": {"batching": "buckets", "buckets": 4, "steps_per_trial": 1, "mode": "binsearch", "margin": 0.0,
-                   **search},
+        "search": {
+            "batching": "buckets",
+            "buckets": 4,
+            "steps_per_trial": 1,
+            "mode": "binsearch",
+            "margin": 0.0,
+            **search,
+        },
     }
 
 
@@ -119,8 +116,11 @@ def test_a_bucket_never_trains_at_a_size_its_probes_measured_to_fail(oom: bool) 
     searches = [e for e in finder.history if not e.is_recovery]
     for event in searches:
         for bucket, size in enumerate(event.bucket_sizes):
-            failed = [t.batch_size for t, b in zip(event.trials, event.trial_buckets, strict=True)
-                      if b == bucket and not t.fits]
+            failed = [
+                t.batch_size
+                for t, b in zip(event.trials, event.trial_buckets, strict=True)
+                if b == bucket and not t.fits
+            ]
             assert not failed or size < min(failed), (event.trigger, bucket, size, failed)
     assert model.real_ooms == 0, "no real step ran out of memory"
     batches_per_epoch = len(model.batches) // 3

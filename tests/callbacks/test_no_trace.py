@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,16 +41,6 @@ SCHEDULE: dict[str, Any] = {
     "search": {"mode": "binsearch", "margin": MARGIN},
     "triggers": [{"kind": "fit_start"}, {"kind": "epoch", "at": [1, 2]}],
 }
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: these models are tiny, and on a shared 2-core machine a second thread
-    spinning for a busy core makes each run several times slower. Both runs of a test use the same."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class RecordingModel(FineTuneModel):

@@ -18,7 +18,6 @@ against the CPU tracker (budgets, no OOM oracle: a probe fails only by measuring
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,14 +34,6 @@ from retune.search.predicted import Prediction, predict_largest, run_predicted_s
 from tests.helpers.lightning_ns import pl
 
 MiB = 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # -- the algorithm on synthetic curves -------------------------------------------------------------------

@@ -135,7 +135,7 @@ def test_token_mean_needs_labels_or_a_function_and_checks_at_fit_start() -> None
 
 
 def test_a_batch_with_no_counted_items_does_not_divide_by_zero() -> None:
-    from retune.recovery.step_recovery import loss_weights as _weights
+    from retune.recovery.micro_batches import loss_weights as _weights
 
     pieces = [{"labels": torch.full((2, 3), -100)}, {"labels": torch.full((1, 3), -100)}]
     assert _weights(pieces, "token_mean") == [0.0, 0.0]

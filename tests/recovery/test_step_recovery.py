@@ -1,4 +1,5 @@
-"""``retune.recovery.step_recovery`` alone, no Lightning: a plain torch model and a closure made of plain functions.
+"""The step recoveries (``retune.recovery.train_step``, ``eval_step``) alone, no Lightning:
+a plain torch model and a closure made of plain functions.
 
 The OOMs are the real ``torch.OutOfMemoryError``, raised by an oracle above a sample capacity, in
 forward or in backward (after the head received its gradient, as a real backward OOM leaves it).
@@ -14,7 +15,9 @@ import torch
 from torch import nn
 
 from retune import RetuneError
-from retune.recovery.step_recovery import EvalStepRecovery, Recovered, TrainStepRecovery
+from retune.recovery.eval_step import EvalStepRecovery
+from retune.recovery.micro_batches import Recovered
+from retune.recovery.train_step import TrainStepRecovery
 from retune.step_parts import StepParts
 from tests.helpers.oom_oracle import FailInBackward
 
@@ -221,3 +224,20 @@ def test_a_recovered_steps_logged_values_combine_as_the_whole_batch() -> None:
     # the batch size: the pieces' own sizes add up; a fixed batch_size=self.batch_size stays what it was
     assert _batch_size([(None, 3, 0), (None, 1, 1)], [3, 1]) == 4
     assert _batch_size([(None, 16, 0), (None, 16, 1)], [8, 8]) == 16
+
+
+def test_the_names_of_the_module_before_the_split_still_import() -> None:
+    """``retune.recovery.step_recovery`` held every class until issue 30 split it: its names stay importable."""
+    from retune.recovery import eval_step, gradients, micro_batches, step_recovery, train_step
+
+    homes = {
+        "EvalStepRecovery": eval_step,
+        "FinishedGradients": gradients,
+        "LossReduction": micro_batches,
+        "Recovered": micro_batches,
+        "TrainStepRecovery": train_step,
+        "loss_weights": micro_batches,
+    }
+    assert sorted(step_recovery.__all__) == sorted(homes)
+    for name, home in homes.items():
+        assert getattr(step_recovery, name) is getattr(home, name)

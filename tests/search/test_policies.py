@@ -21,7 +21,7 @@ import doctest
 import functools
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +37,6 @@ from retune import RetuneError, ScheduledBatchSizeFinder, ScheduleError, load_sc
 from retune.search.policies import Accumulation, accumulation_for, lr_factor, scale_learning_rates
 from tests.helpers.lightning_ns import LEGACY, callbacks, pl, seed
 from tests.helpers.retune_warnings import retune_warnings
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models on a shared 2-core machine: a second intra-op thread only slows them down."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # == the schedule keys ==========================================================================
 
