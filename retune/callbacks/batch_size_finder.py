@@ -18,11 +18,12 @@ from retune.allocator import EXPANDABLE_ADVICE, expandable_segments, stats_for
 from retune.buckets.batching import BucketBatching
 from retune.buckets.train_buckets import BucketState, DataChange, TrainBuckets
 from retune.callbacks.base import EventReport, RetuneCallback
+from retune.callbacks.data_follow import Change, keep_sizes, train_data_change
 from retune.callbacks.oom_recovery import OomRecovery, split_state
 from retune.callbacks.stage_attrs import StageAttrs
 from retune.callbacks.trainer_view import training_view
 from retune.events import Direction, RetuneEvent, Trial
-from retune.probing.probe_batches import LargestChange, ProbeBatches
+from retune.probing.probe_batches import ProbeBatches
 from retune.probing.timing import Clock
 from retune.recovery.split import SplitFn
 from retune.reports import batch_size as report
@@ -186,7 +187,14 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             self._recovery.new_epoch()
             self._recovery.share_failures(trainer)
         with self.probe_batches.cache.checking_once():  # the data is checked once, whatever searches follow
-            change = self._data_change(trainer)
+            change = train_data_change(
+                trainer,
+                tuned="train" in self.schedule.stages,
+                buckets=self._buckets,
+                probe_batches=self.probe_batches,
+                train_size=self._stage("train").size,
+                say=self._say,
+            )
             view = training_view(trainer, pl_module, self._fit_starting)
             self._fit_starting = False
             # every rank updates its triggers' baselines; rank zero's decision is the one all ranks follow
@@ -269,41 +277,16 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         if self._recovery is not None:
             self._recovery.uninstall()
 
-    def _data_change(self, trainer: Any) -> DataChange | LargestChange | None:
-        """Whether the train samples' sizes changed since the sizes in force were found: rank zero's answer, on
-        every rank. With buckets, since they were grouped (the same dataset changed in place, or a reloaded
-        one); with one size and ``probe_samples: largest``, since the probes ran on the largest samples."""
-        local: DataChange | LargestChange | None = None
-        if "train" in self.schedule.stages:
-            if self._buckets is not None and self._buckets.state.sizes:
-                local = self._buckets.data_change(self._say)
-            else:  # one size (fixed, or buckets that fell back): what its probes ran on
-                size = self._stage("train").size
-                local = self.probe_batches.largest_change("train", compat.train_loaders(trainer), size)
-        shared = compat.broadcast_object(trainer, local if not isinstance(local, DataChange) else local.search)
-        if shared is None or isinstance(shared, LargestChange):
-            return shared
-        if not isinstance(local, DataChange):
-            return None
-        return local if local.search == shared else DataChange(local.buckets, shared, local.largest_before)
-
-    def _follow_data(self, trainer: Any, pl_module: Any, change: DataChange | LargestChange) -> None:
-        """Train the changed data within the memory found: its size (each bucket's) searched again when the
-        samples got longer (an event with trigger ``data_changed``), else the same sizes (on the new groups)."""
-        where = f"epoch {trainer.current_epoch}"
+    def _follow_data(self, trainer: Any, pl_module: Any, change: Change) -> None:
+        """Train the changed data within the memory found (``retune.callbacks.data_follow``): the train size (each
+        bucket's) searched again when the samples got longer (trigger ``data_changed``), else kept."""
+        if not change.search:
+            keep_sizes(trainer, change, self._buckets, self._stage("train").size, self._say)
+            return
         what = "the buckets" if isinstance(change, DataChange) else "the batch size"
-        if change.search:
-            self._say(f"{where}: the train samples' sizes changed ({change.describe()}): searching {what} again")
-            self._search(trainer, pl_module, "train", "data_changed", "unknown", cold=False)
-            return
-        if isinstance(change, LargestChange):
-            size = self._stage("train").size
-            self._say(f"{where}: the train samples' sizes changed ({change.describe()}); batch size {size} still fits")
-            return
-        assert self._buckets is not None
-        self._say(f"{where}: the train samples' sizes changed ({change.describe()}); the bucket sizes still fit")
-        self._buckets.regroup(change)
-        compat.reload_dataloader(trainer, "train")
+        where = f"epoch {trainer.current_epoch}: the train samples' sizes changed ({change.describe()})"
+        self._say(f"{where}: searching {what} again")
+        self._search(trainer, pl_module, "train", "data_changed", "unknown", cold=False)
 
     # -- the search ----------------------------------------------------------------------------
 
