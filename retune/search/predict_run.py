@@ -78,17 +78,22 @@ class Tracer:
     fixed: float | None = None
     """After a trace: what does not grow with the batch, agreed across ranks (parameters, buffers and optimizer
     state, traced, plus the trainable parameters' gradients)."""
+    optimizer: Any = None
+    """The optimizer update the first trace measured (:class:`retune.prediction.trace.OptimizerPhase`): later
+    traces of this search reuse it and run forward and backward only (the state is the same; only the batch
+    differs). Share one between tracers of one search (several buckets) with ``Tracer(..., optimizer=...)``."""
 
     def __call__(self, size: int) -> float:
         from retune.prediction.trace import CannotPredict, trace_training_step
 
         started = time.perf_counter()
-        result = trace_training_step(self.trainer, self.pl_module, self.batch, size, steps=1)
+        result = trace_training_step(self.trainer, self.pl_module, self.batch, size, steps=1, optimizer=self.optimizer)
         self.seconds += time.perf_counter() - started
         self.traces += 1
         if isinstance(result, CannotPredict):
             local: tuple[float, float] | str = str(result)
         else:
+            self.optimizer = result.optimizer
             cpu = self.pl_module.device.type == "cpu"
             grads = sum(p.numel() * p.element_size() for p in self.pl_module.parameters() if p.requires_grad)
             fixed = float(result.resident_bytes + result.created_bytes + grads)

@@ -92,8 +92,14 @@ def _oracle_schedule(oom: bool, **search: Any) -> dict[str, Any]:
         triggers.append({"kind": "oom"})
     return {
         "triggers": triggers,
-        "search": {"batching": "buckets", "buckets": 4, "steps_per_trial": 1, "mode": "binsearch", "margin": 0.0,
-                   **search},
+        "search": {
+            "batching": "buckets",
+            "buckets": 4,
+            "steps_per_trial": 1,
+            "mode": "binsearch",
+            "margin": 0.0,
+            **search,
+        },
     }
 
 
@@ -119,8 +125,11 @@ def test_a_bucket_never_trains_at_a_size_its_probes_measured_to_fail(oom: bool) 
     searches = [e for e in finder.history if not e.is_recovery]
     for event in searches:
         for bucket, size in enumerate(event.bucket_sizes):
-            failed = [t.batch_size for t, b in zip(event.trials, event.trial_buckets, strict=True)
-                      if b == bucket and not t.fits]
+            failed = [
+                t.batch_size
+                for t, b in zip(event.trials, event.trial_buckets, strict=True)
+                if b == bucket and not t.fits
+            ]
             assert not failed or size < min(failed), (event.trigger, bucket, size, failed)
     assert model.real_ooms == 0, "no real step ran out of memory"
     batches_per_epoch = len(model.batches) // 3
