@@ -56,8 +56,11 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         (8000000, 6000000)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cpu") -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.device_type = device_type
+        """The tensors counted: a probe counts host memory (a device's allocator keeps its own statistics); a
+        fake-tensor trace (:mod:`retune.prediction.trace`) counts the fakes on the module's device."""
         self.live_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}
@@ -91,13 +94,14 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        kind = self.device_type
         inputs = {
             local(leaf).untyped_storage()._cdata
             for leaf in tree_leaves((args, kwargs or {}))
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == kind
         }
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == kind:
                 self._track(local(leaf), inputs)  # a sharded (DTensor) result: its local shard
         return out
 

@@ -151,7 +151,7 @@ def trace_step(
             with swapped_in(module, state), mode:
                 resident = resident_bytes(module, state.optimizers)
                 batch_bytes = tensor_bytes(fake)
-                with CpuPeakTracker() as tracker:
+                with CpuPeakTracker(_device_type(module, device)) as tracker:
                     phases = _Phases(tracker, reuse)
                     for opt in state.optimizers:
                         phases.wrap(opt)
@@ -249,6 +249,15 @@ def cannot_predict(error: BaseException) -> CannotPredict:
         return CannotPredict(f"operator {op} has no fake-tensor implementation (a custom kernel?)", op)
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return CannotPredict(f"the step failed on fake tensors: {type(error).__name__}: {message}"[:500], op)
+
+
+def _device_type(module: torch.nn.Module, device: torch.device | None) -> str:
+    """The device whose fakes the trace counts: the batch's target, else the module's parameters' (a CUDA
+    step's activations are CUDA fakes, which a tracker of host memory would not see)."""
+    if device is not None:
+        return device.type
+    first = next(iter(module.parameters()), None)
+    return "cpu" if first is None else first.device.type
 
 
 @contextmanager
