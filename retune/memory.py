@@ -78,7 +78,7 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         super().__init__()  # type: ignore[no-untyped-call]
         self.device_type = device_type
         """The tensors counted: a probe counts host memory (a device's allocator keeps its own statistics); a
-        fake-tensor trace (:mod:`retune.prediction.trace`) counts the fakes on the module's device."""
+        fake-tensor trace (``retune.prediction``) counts the fakes on the module's device."""
         self.live_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}
