@@ -43,6 +43,24 @@ from retune.allocator import MemoryStats, stats_for
 from retune.distributed.local_shards import local
 
 
+def _metadata_ops() -> frozenset[Any]:
+    """Operators that only read metadata (``prim.device``: a fake tensor's device is a dispatched query)."""
+    try:
+        return frozenset({torch.ops.prim.device.default})
+    except (AttributeError, RuntimeError):  # a torch without it: every operator is tracked as before
+        return frozenset()
+
+
+_METADATA = _metadata_ops()
+
+
+def _device_type(tensor: torch.Tensor) -> str:
+    """``tensor.device.type``, read without a dispatch for a fake tensor (whose ``device`` is a dispatched
+    query: a trace asks it of every argument and result of every operator)."""
+    fake = getattr(tensor, "fake_device", None)
+    return str(fake.type) if isinstance(fake, torch.device) else str(tensor.device.type)
+
+
 class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Live tensor bytes allocated while the mode is active, and their peak.
 
@@ -56,8 +74,11 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         (8000000, 6000000)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_type: str = "cpu") -> None:
         super().__init__()  # type: ignore[no-untyped-call]
+        self.device_type = device_type
+        """The tensors counted: a probe counts host memory (a device's allocator keeps its own statistics); a
+        fake-tensor trace (``retune.prediction``) counts the fakes on the module's device."""
         self.live_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}
@@ -91,13 +112,16 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func in _METADATA:
+            return out  # a fake tensor's device query (the autograd engine asks for every gradient): no memory
+        kind = self.device_type
         inputs = {
             local(leaf).untyped_storage()._cdata
             for leaf in tree_leaves((args, kwargs or {}))
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu"
+            if isinstance(leaf, torch.Tensor) and _device_type(leaf) == kind
         }
         for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
+            if isinstance(leaf, torch.Tensor) and _device_type(leaf) == kind:
                 self._track(local(leaf), inputs)  # a sharded (DTensor) result: its local shard
         return out
 

@@ -278,3 +278,14 @@ def test_model_search_at_the_cap_keeps_the_cap_and_below_it_applies_the_margin()
     assert run_model_search(no_margin, tight, 1000 + 100 * 40).size == 40
     capped_at_the_limit, _ = _curve(fixed=1000, per_sample=100, limit=1000 + 100 * 64)  # 64 fits exactly
     assert run_model_search(plan, capped_at_the_limit, 1000 + 100 * 64).size == 64
+
+
+def test_the_tracker_counts_the_device_it_is_given_only() -> None:
+    """A probe's tracker counts host memory (a device's allocator keeps its own statistics); a trace's counts
+    the fakes on the module's device (issue 29: CUDA fakes were invisible to a host-memory tracker)."""
+    from retune.memory import CpuPeakTracker
+
+    with CpuPeakTracker() as host, CpuPeakTracker("meta") as meta:
+        kept = [torch.empty(1000, device="meta"), torch.empty(10)]
+    assert (host.peak_bytes, meta.peak_bytes) == (40, 4000)
+    del kept

@@ -16,7 +16,7 @@ from typing import Any
 
 from retune import compat
 from retune.buckets.plan import Buckets
-from retune.buckets.sizes import BucketMemory, _interpolate
+from retune.buckets.sizes import BucketMemory, length_curve
 from retune.buckets.train_buckets import BucketOutcome, PredictBuckets, TracedBuckets, TrainBuckets
 from retune.events import Trial
 from retune.search.batching import FixedSearch, Limits, Say, SearchJob, StageSearch
@@ -97,8 +97,10 @@ class BucketSearch:
     def _predictor(self, job: SearchJob) -> PredictBuckets | None:
         """``search.predict: auto``: trace the worst batches of the shortest, the middle and the longest bucket at
         each one's cap, one step each (:class:`~retune.search.predict_run.Tracer`); every bucket's memory per
-        sample is interpolated over the lengths between them, and its predicted size is the largest the traced
-        line keeps within the limit. None where it cannot predict (the event's note says why)."""
+        sample is the parabola in the length through the three (:func:`~retune.buckets.sizes.length_curve`), and
+        its predicted size is the largest the traced line keeps within the limit. The first trace's optimizer
+        update is reused by the other two (forward and backward only: the state is the same). None where it
+        cannot predict (the event's note says why)."""
         record, warn = self.prediction, job.warn_once or _say_nothing
         reason = why_not_predict(job.trainer, job.stage, self.limit)
         if reason is not None or self.limit is None:
@@ -111,6 +113,7 @@ class BucketSearch:
             chosen = sorted({by_length[0], by_length[len(by_length) // 2], by_length[-1]})
             peaks: dict[int, float] = {}
             fixed = 0.0
+            phase = None  # the first trace's optimizer update, reused by the others (the same state)
             for bucket in chosen:
                 arrange = prober.arrange
                 prober.arrange = arrange_of(bucket)
@@ -118,9 +121,10 @@ class BucketSearch:
                     batch = prober.sample_batch(2)
                 finally:
                     prober.arrange = arrange
-                tracer = Tracer(job.trainer, prober.pl_module, batch)
+                tracer = Tracer(job.trainer, prober.pl_module, batch, optimizer=phase)
                 try:
                     peaks[bucket] = tracer(uppers[bucket])
+                    phase = tracer.optimizer
                 except Untraceable as error:
                     record.seconds += tracer.seconds
                     record.fell_back(error.reason, warn)
@@ -128,7 +132,7 @@ class BucketSearch:
                 record.seconds += tracer.seconds
                 fixed = tracer.fixed or 0.0
             measured = [(buckets.largest[b], max(0.0, (peaks[b] - fixed) / uppers[b])) for b in chosen]
-            slopes = tuple(_interpolate(measured, buckets.largest[b]) for b in range(buckets.count))
+            slopes = tuple(length_curve(measured, buckets.largest[b]) for b in range(buckets.count))
             sizes = tuple(
                 uppers[b] if slope <= 0 else max(1, min(uppers[b], int((limit - fixed) // slope)))
                 for b, slope in enumerate(slopes)

@@ -164,8 +164,10 @@ class SearchConfig(_Config):
         "the largest size the traced peak line keeps within the limit, and verify it with real probes, "
         "calibrating the prediction on them (a size is used only after a real probe fit); where the step cannot "
         "be traced (a data-dependent operator, a custom kernel, FSDP2) or there is no limit to predict against "
-        "(no memory.budget, no device statistics), it says why once and searches with real probes. off: real "
-        "probes only (the search set by mode).",
+        "(no memory.budget, no device statistics), it says why once and searches with real probes. A trace costs "
+        "Python dispatch per operator whatever the size or device: worth it where a real step costs more (large "
+        "models, long sequences, many buckets), not for a small model on a GPU. off: real probes only (the "
+        "search set by mode).",
     )
 
     @field_validator("predict", mode="before")

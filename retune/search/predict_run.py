@@ -5,7 +5,8 @@ The traces run inside the probe session (:meth:`retune.probing.prober.Prober.ses
 probe at a small size would train on (:meth:`~retune.probing.prober.Prober.sample_batch`: the same
 ``probe_samples`` arrangement, so the same padded length), faked at each traced size. Each trace is one
 step (:attr:`retune.prediction.trace.StepTrace.steady_bytes`: the state it creates counted as alive),
-plus, on a CPU, the batch's bytes, which a CPU probe counts too: the prediction is the quantity a probe
+plus the batch's bytes, which a probe counts too (on a CPU added to the tracker's count, on a device in
+the allocator's, the batch moved there inside the measured block): the prediction is the quantity a probe
 measures. Under DDP every rank traces its own batch and the ranks agree on the largest prediction at
 each size (one collective per trace), so every rank takes the same sizes and the same decisions; where
 one rank cannot trace, none predicts.
@@ -78,21 +79,27 @@ class Tracer:
     fixed: float | None = None
     """After a trace: what does not grow with the batch, agreed across ranks (parameters, buffers and optimizer
     state, traced, plus the trainable parameters' gradients)."""
+    optimizer: Any = None
+    """The optimizer update the first trace measured (:class:`retune.prediction.trace.OptimizerPhase`): later
+    traces of this search reuse it and run forward and backward only (the state is the same; only the batch
+    differs). Share one between tracers of one search (several buckets) with ``Tracer(..., optimizer=...)``."""
 
     def __call__(self, size: int) -> float:
         from retune.prediction.trace import CannotPredict, trace_training_step
 
         started = time.perf_counter()
-        result = trace_training_step(self.trainer, self.pl_module, self.batch, size, steps=1)
+        result = trace_training_step(self.trainer, self.pl_module, self.batch, size, steps=1, optimizer=self.optimizer)
         self.seconds += time.perf_counter() - started
         self.traces += 1
         if isinstance(result, CannotPredict):
             local: tuple[float, float] | str = str(result)
         else:
-            cpu = self.pl_module.device.type == "cpu"
+            self.optimizer = result.optimizer
             grads = sum(p.numel() * p.element_size() for p in self.pl_module.parameters() if p.requires_grad)
             fixed = float(result.resident_bytes + result.created_bytes + grads)
-            local = (float(result.steady_bytes + (result.batch_bytes if cpu else 0)), fixed)
+            # a probe's peak holds its batch: on a CPU the tracker's count plus the loader's batch, on a device the
+            # allocator's, after the batch moved there inside the measured block
+            local = (float(result.steady_bytes + result.batch_bytes), fixed)
         gathered = compat.all_gather_object(self.trainer, local)
         reasons = [value for value in gathered if isinstance(value, str)]
         if reasons:

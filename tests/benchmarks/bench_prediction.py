@@ -16,6 +16,9 @@ Also: fixed batching, ``mode: model``, cold, on a model whose memory is linear i
 the prediction error of the fake trace against the CPU tracker's measured peak of a real step, per
 scenario (MLP, CNN, BERT, GPT-2 + LoRA: ``tests/helpers/prediction_models.py``).
 
+Each setting runs ``--repeats`` times (3): the searches are the same every time, their seconds are not on a
+shared CPU, so the median cost is the one reported (and every repeat's).
+
 Run: ``python -m tests.benchmarks.bench_prediction`` (writes tests/benchmarks/results/prediction.json).
 """
 
@@ -119,8 +122,21 @@ def bert_fit(predict: str, n: int) -> dict[str, Any]:
                 "over_budget_steps": sum(1 for p in epoch["peaks"] if p > budget),
                 "mean_utilisation": round(sum(epoch["peaks"]) / max(len(epoch["peaks"]), 1) / budget, 3),
                 "worst_peak_over_budget": round(max(epoch["peaks"]) / budget, 3),
+                # the 2% long tail (400-512 tokens) against the rest: what the mean utilisation is made of
+                **_split_utilisation(epoch["peaks"], epoch["lengths"], budget),
             }
         )
+    return out
+
+
+def _split_utilisation(peaks: list[int], lengths: list[int], budget: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, chosen in (
+        ("long_tail", [p for p, n in zip(peaks, lengths, strict=True) if n > 100]),
+        ("other", [p for p, n in zip(peaks, lengths, strict=True) if n <= 100]),
+    ):
+        out[f"{name}_steps"] = len(chosen)
+        out[f"{name}_utilisation"] = round(sum(chosen) / max(len(chosen), 1) / budget, 3)
     return out
 
 
@@ -133,12 +149,30 @@ class Meter(bench_buckets.Meter):
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         super().on_train_epoch_start(trainer, pl_module)
         self.epochs[-1]["peaks"] = []
+        self.epochs[-1]["lengths"] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        self.epochs[-1]["lengths"].append(int(batch["input_ids"].shape[1]))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._open is not None:
             self._open.__exit__(None, None, None)
             self._open = None
             self.epochs[-1]["peaks"].append(int(self._reading.peak_bytes) + self._bytes)
+
+
+def repeated(predict: str, n: int, repeats: int) -> dict[str, Any]:
+    """``bert_fit`` ``repeats`` times: the fit whose re-tune cost is the median, with every fit's cost in mean real
+    steps (``[cold, re-tune]``) and the medians. Searches, sizes and peaks are the same in every fit; the
+    seconds are not, on a CPU shared with other jobs, so one fit's ratio can be off by 2-3x."""
+    fits = [bert_fit(predict, n) for _ in range(max(1, repeats))]
+    costs = [[s["mean_real_steps"] for s in fit["searches"]] for fit in fits]
+    order = sorted(range(len(fits)), key=lambda i: costs[i][-1])
+    chosen = fits[order[len(order) // 2]]
+    chosen["repeats"] = costs
+    chosen["median_mean_real_steps"] = [sorted(c[i] for c in costs)[len(costs) // 2] for i in range(len(costs[0]))]
+    return chosen
 
 
 def fixed_probes() -> dict[str, Any]:
@@ -202,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--texts", type=int, default=1200, help="texts in the BERT scenario (shrink on a slow machine)")
     parser.add_argument("--out", default="prediction.json")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="fits per setting; the median search cost is reported (a shared CPU)"
+    )
     args = parser.parse_args(argv)
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
@@ -209,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     results: dict[str, Any] = {"errors": prediction_errors(), "fixed_model_mode": fixed_probes()}
     print(json.dumps(results, indent=1), file=sys.stderr)
-    results["bert_buckets"] = {predict: bert_fit(predict, args.texts) for predict in ("off", "auto")}
+    results["bert_buckets"] = {predict: repeated(predict, args.texts, args.repeats) for predict in ("off", "auto")}
     checks = targets(results)
     out = {
         "targets": checks,
@@ -230,19 +267,19 @@ def main(argv: list[str] | None = None) -> int:
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     auto = results["bert_buckets"]["auto"]
-    cold, retune = auto["searches"][0], auto["searches"][-1]
+    cold_cost, retune_cost = auto["median_mean_real_steps"][0], auto["median_mean_real_steps"][-1]
     epochs = auto["epochs"]
     fixed = results["fixed_model_mode"]
     return [
         {
-            "target": "cold search <= 15 mean real steps",
-            "value": cold["mean_real_steps"],
-            "pass": cold["mean_real_steps"] <= 15,
+            "target": "cold search <= 15 mean real steps (median of the repeats)",
+            "value": cold_cost,
+            "pass": cold_cost <= 15,
         },
         {
-            "target": "re-tune <= 10 mean real steps",
-            "value": retune["mean_real_steps"],
-            "pass": retune["mean_real_steps"] <= 10,
+            "target": "re-tune <= 10 mean real steps (median of the repeats)",
+            "value": retune_cost,
+            "pass": retune_cost <= 10,
         },
         {
             "target": "0 real steps over the budget",

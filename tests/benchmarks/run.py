@@ -49,7 +49,7 @@ def main() -> int:
     print()
     status |= bench_buckets.main([])  # first vs largest vs buckets on variable-length data, about 13 minutes
     print()
-    status |= bench_prediction.main([])  # search.predict: auto vs off (issue 29), about 2 minutes
+    status |= bench_prediction.main([])  # search.predict: auto vs off (issue 29), about 5 minutes
     print(f"\nall benchmarks: {time.perf_counter() - started:.0f}s")
     return status
 

@@ -52,11 +52,13 @@ def _fit(
     ckpt: Path | None = None,
     save: Path | None = None,
     out_dir: Path | None = None,
+    predict: str = "off",
 ) -> dict[str, Any]:
     seed(0)
     clock = FakeClock()
     model = TimedBucketModel(IndexedTokens(long_tail_lengths(N)), clock, times, frozen=frozen)
     schedule = bucket_data.schedule() if objective is None else bucket_data.schedule(objective=objective)
+    schedule["search"]["predict"] = predict
     if apply is not None:
         schedule["apply"] = apply
     if triggers is not None:
@@ -298,3 +300,33 @@ def test_an_oom_re_tune_lowers_only_the_failing_bucket_and_keeps_the_padded_work
     assert second.bucket_largest[3] == 1024 // 246
     assert second.bucket_sizes == capped_sizes(second.bucket_largest, second.bucket_bounds, first.padded_per_step)  # type: ignore[arg-type]
     assert finder.bucket_sizes == second.bucket_sizes
+
+
+def test_with_predict_the_timing_trials_search_below_the_verified_predictions(runs: dict[str, dict[str, Any]]) -> None:
+    """``predict: auto``: the traces predict every bucket's largest size and one probe per bucket verifies it (the
+    fit search), then the reference bucket is timed below its verified size only, and the cap binds as without
+    predict. The loop trains within the budget, each sample once."""
+    run = _fit(predict="auto")
+    (event,) = run["finder"].history
+    (plain,) = runs["throughput"]["finder"].history
+    assert event.prediction == "predicted" and event.note == ""
+    timed_from = next(i for i, r in enumerate(event.samples_per_s) if r is not None)
+    fit_trials = event.trials[:timed_from]
+    (without,) = runs["largest"]["finder"].history
+    assert len(fit_trials) < len(without.trials), "fewer probes to the largest sizes than without predict"
+    assert all(r is None for r in event.samples_per_s[:timed_from]) and all(p for p in event.peak_bytes[:timed_from])
+    ref = event.reference_bucket
+    cap = event.bucket_largest[ref]  # the verified size, after the margin
+    timed = [t for t, r in zip(event.trials[timed_from:], event.samples_per_s[timed_from:], strict=True) if r]
+    assert timed and all(t.batch_size <= cap for t in timed), "the timing trials search below the verified size"
+    assert set(event.trial_buckets[timed_from:]) == {ref}
+    assert plain.reference_bucket == ref
+    # every bucket capped at the chosen padded work (the selection's own precision: the tests above; from a cap of
+    # 42 instead of 40 its ladder times 30 and 35, not 32, and picks 30, 3.2% below the best rate)
+    chosen = event.bucket_sizes[ref]
+    assert event.padded_per_step == chosen * event.bucket_bounds[ref] and chosen <= cap
+    assert event.bucket_sizes == capped_sizes(event.bucket_largest, event.bucket_bounds, event.padded_per_step)
+    assert TIMES.rate(chosen, event.bucket_bounds[ref]) >= 0.95 * TIMES.rate(cap, event.bucket_bounds[ref])
+    peaks, model = run["peaks"], run["model"]
+    assert max(peaks.peaks) <= BUDGET
+    assert sorted(i for b in model.batches for i in b) == list(range(N)), "each sample once"

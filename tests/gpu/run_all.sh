@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-call GPU check: every script in tests/gpu, each under its own timeout, in at most 8 minutes on one GPU.
+# One-call GPU check: every script in tests/gpu, each under its own timeout, in at most 9 minutes on one GPU.
 #
 #   tests/gpu/run_all.sh OUTDIR
 #
@@ -23,11 +23,12 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python="${PYTHON:-python}"
 gpus="$("$python" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
 
-# name | timeout (s) | GPUs needed | script and arguments; the timeouts of one GPU's checks add up to 450 s
+# name | timeout (s) | GPUs needed | script and arguments; the timeouts of one GPU's checks add up to 540 s
 checks=(
     "oom_recovery_gpu|150|1|tests/gpu/oom_recovery_gpu.py --out $out/oom_recovery_gpu.json"
     "bench_gpu|240|1|tests/gpu/bench_gpu.py --out $out/bench_gpu.json"
     "fsdp_check|60|1|tests/gpu/fsdp_check.py"
+    "prediction_gpu|90|1|tests/gpu/prediction_gpu.py --out $out/prediction_gpu.json"
     "fsdp2_check|240|2|tests/gpu/fsdp2_check.py"
 )
 

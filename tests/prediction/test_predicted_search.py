@@ -287,3 +287,54 @@ def test_buckets_with_prediction_verify_every_bucket_and_fit_the_budget() -> Non
             assert max(longer_fit, default=0) >= size, f"bucket {bucket}'s size {size} was never verified"
         for a, b in zip(event.bucket_sizes, before.bucket_sizes, strict=True):
             assert abs(a - b) <= max(2, 0.1 * b), (event.bucket_sizes, before.bucket_sizes)
+
+
+class _TimedMLP(WideMLP):
+    """``WideMLP`` whose steps take ``StepTimeOracle``'s time on a fake clock (the fastest size is known)."""
+
+    def __init__(self, clock: Any, times: Any) -> None:
+        super().__init__()
+        self.clock, self.times = clock, times
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.clock.advance(self.times.seconds(int(batch[0].shape[0])) + (self.times.warmup if batch_idx == 0 else 0))
+        return loss
+
+
+def test_throughput_times_only_sizes_up_to_the_verified_prediction() -> None:
+    """``objective: throughput`` with ``predict: auto``: the prediction and its verifying probe give the largest
+    size that fits (the cap), and the timing trials search below it only: the same largest size, the same
+    timed sizes and the same choice as without predict (whose fit search costs 5 probes, not 1)."""
+    from tests.helpers.step_time import FakeClock, StepTimeOracle
+
+    times = StepTimeOracle(knee=300)
+    events = {}
+    for predict in ("off", "auto"):
+        pl.seed_everything(0)
+        clock = FakeClock()
+        schedule = _schedule("binsearch", predict, objective="throughput")
+        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False, clock=clock)
+        trainer = pl.Trainer(
+            max_epochs=1,
+            callbacks=[finder],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_train_batches=2,
+            accelerator="cpu",
+            devices=1,
+        )
+        trainer.fit(_TimedMLP(clock, times))
+        events[predict] = finder.history[0]
+    off, auto = events["off"], events["auto"]
+    assert auto.prediction == "predicted" and auto.objective == "throughput"
+    assert auto.largest == off.largest and auto.largest is not None
+    assert (auto.trials[0].batch_size, auto.trials[0].fits) == (auto.largest, True), "one verifying probe: the cap"
+    fit_trials = len(off.trials) - (len(auto.trials) - 1)
+    assert off.trials[fit_trials:] == auto.trials[1:], "the same timing trials after the fit search"
+    assert all(t.batch_size <= auto.largest for t in auto.trials[1:])
+    assert auto.batch_size_after == off.batch_size_after <= auto.largest
+    assert auto.batch_size_after < auto.largest, "the knee is below the cap: the timing trials chose it"
+    assert len(auto.predicted_bytes) == len(auto.trials) and auto.predicted_bytes[0] is not None

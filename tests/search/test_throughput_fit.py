@@ -214,7 +214,7 @@ def test_events_report_and_files_show_the_throughput(tmp_path: Path, capsys: pyt
     again = report.read_history(tmp_path / report.JSON_NAME).events[0]
     assert again == event
     rows = (tmp_path / report.CSV_NAME).read_text().splitlines()
-    assert "objective,largest,samples_per_s,trial_samples_per_s" in rows[0]
+    assert "objective,largest,samples_per_s,trial_samples_per_s" in rows[0]  # the prediction columns follow
     assert f",throughput,{event.largest},{chosen:.1f}," in rows[1]
     from matplotlib.image import imread
 
