@@ -7,7 +7,7 @@ sentence states, is recomputed from its results file with the page's own roundin
 text. A rerun that moves a number fails here until the page says the new one; a page edited by hand
 fails until it says what was measured. Derived figures (ratios, ranges, shares) are computed from
 the file, not copied. Numbers no results file holds (earlier runs, the machine's load) are not
-checked and say so on the page. ``prediction.json`` ("Predict, then verify") is not held here yet.
+checked and say so on the page. ``prediction.json`` ("Predict, then verify") is held too.
 """
 
 # The pages print the times sign, en dashes and real minus signs; the expected cells must too.
@@ -611,3 +611,67 @@ def test_fsdp2_table_is_the_results_file() -> None:
         f"{_fmt(ddp['whole_param_bytes'] / 4 / 1e6, 1)}M parameters, AdamW",
         f"single searches ranged from {_fmt(min(every), 1)} to {_fmt(max(every), 1)} s",
     )
+
+
+# ---------------------------------------------------------------- predict, then verify (prediction.json)
+
+
+def test_prediction_table_is_the_results_file() -> None:
+    """The issue-29 scenario's table: trials, seconds and traces of both searches, their cost in mean real
+    steps (the median and every repeat), steps over the budget and utilisation, with and without predict."""
+    results = _results("prediction.json")["results"]["bert_buckets"]
+    rows = {row[0]: row[1:3] for row in _table(BENCHMARKS, "| | `predict: off` | `predict: auto` | target |")}
+
+    def search(setting: str, index: int) -> str:
+        s = results[setting]["searches"][index]
+        traces = f" ({_fmt(s['trace_seconds'], 2)} s)" if s["trace_seconds"] else ""
+        return f"{s['trials']}, {_fmt(s['seconds'], 2)} s{traces}"
+
+    def cost(setting: str, index: int) -> str:
+        repeats = sorted(r[index] for r in results[setting]["repeats"])
+        median = results[setting]["median_mean_real_steps"][index]
+        return f"{_fmt(median, 1)} ({', '.join(_fmt(r, 1) for r in repeats)})"
+
+    def epochs(setting: str) -> tuple[str, str]:
+        e = results[setting]["epochs"]
+        return str(sum(x["over_budget_steps"] for x in e)), " / ".join(_fmt(x["mean_utilisation"], 2) for x in e)
+
+    settings = ("off", "auto")
+    assert rows["cold search: trials, seconds (traces)"] == [search(s, 0) for s in settings]
+    assert rows["cold search in mean real steps (3 repeats)"] == [cost(s, 0) for s in settings]
+    assert rows["re-tune after the unfreeze: trials, seconds (traces)"] == [search(s, 1) for s in settings]
+    assert rows["re-tune in mean real steps (3 repeats)"] == [cost(s, 1) for s in settings]
+    assert rows["real steps over the budget (2 epochs)"] == [epochs(s)[0] for s in settings]
+    assert rows["mean utilisation, epoch 0 / epoch 1"] == [epochs(s)[1] for s in settings]
+
+
+def test_prediction_targets_and_errors_are_the_results_file() -> None:
+    """The verdicts the table gives (met / missed) are the file's, the fixed-batching probes and the trace
+    errors per scenario are its numbers."""
+    data = _results("prediction.json")
+    rows = _table(BENCHMARKS, "| | `predict: off` | `predict: auto` | target |")
+    verdicts = [row[3] for row in rows if row[3]]
+    cold, retune = data["results"]["bert_buckets"]["auto"]["median_mean_real_steps"]
+    assert verdicts[0].endswith("met") == (cold <= 15) and verdicts[1].endswith("missed") == (retune > 10)
+    fixed = data["results"]["fixed_model_mode"]
+    off_sizes = ", ".join(str(size) for size, _ in fixed["off"]["trials"])
+    _says(
+        BENCHMARKS,
+        f"without predict {fixed['off']['real_probes']} real probes ({off_sizes}), with predict "
+        f"**{fixed['auto']['real_probes']}** ({fixed['auto']['batch_size']},",
+        f"after 2 traces ({_fmt(fixed['auto']['trace_seconds'], 2)} s)",
+    )
+    errors = data["results"]["errors"]
+    table = {
+        row[0].split(" (")[0]: row[1:] for row in _table(BENCHMARKS, "| scenario | small size | larger size | trace |")
+    }
+    digits = {"MLP": (1, 2), "CNN": (1, 2), "BERT": (2, 1), "GPT-2 + LoRA": (2, 2)}
+    for name, key in (("MLP", "mlp"), ("CNN", "cnn"), ("BERT", "bert"), ("GPT-2 + LoRA", "gpt2_lora")):
+        pct, secs = digits[name]
+        cells = [f"{e['error'] * 100:+.{pct}f}%".replace("+-", "-") + f" ({e['size']})" for e in errors[key]]
+        low, high = (
+            _fmt(min(e["trace_s"] for e in errors[key]), secs),
+            _fmt(max(e["trace_s"] for e in errors[key]), secs),
+        )
+        trace = f"{low} s" if low == high else f"{low}-{high} s"
+        assert table[name] == [*cells, trace], name
