@@ -64,6 +64,11 @@ def _device_type(tensor: torch.Tensor) -> str:
 class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Live tensor bytes allocated while the mode is active, and their peak.
 
+    Args:
+        device_type: the device type whose tensors count: ``"cpu"`` for a probe (host memory; a device's
+            allocator keeps its own statistics), the module's device type for a fake-tensor trace
+            (``retune.prediction``).
+
     Example:
         >>> with CpuPeakTracker() as tracker:
         ...     a = torch.empty(1000, 1000)       # 4 MB
