@@ -226,14 +226,38 @@ def no_trace(module: nn.Module) -> Iterator[None]:
 
 
 def uses_reduced_precision(module: nn.Module, precision_reduced: bool) -> bool:
-    """True when the step computes below float32: a 16-bit precision setting, or TF32 on a CUDA device."""
+    """True when the step computes below float32: a 16-bit precision setting, or TF32 on a CUDA device
+    where the module uses it (:func:`tf32_in_use`, with torch's settings now)."""
     if precision_reduced:
         return True
-    on_cuda = any(p.is_cuda for p in module.parameters())
-    if not on_cuda:
+    if not any(p.is_cuda for p in module.parameters()):
         return False
-    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
-    return bool(tf32 or torch.get_float32_matmul_precision() != "highest")
+    matmul = torch.backends.cuda.matmul.allow_tf32 or torch.get_float32_matmul_precision() != "highest"
+    return tf32_in_use(module, matmul=matmul, cudnn=torch.backends.cudnn.allow_tf32)
+
+
+CUDNN_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, nn.RNNBase)
+"""The layers cuDNN runs, whose float32 math ``torch.backends.cudnn.allow_tf32`` turns to TF32."""
+
+
+def tf32_in_use(module: nn.Module, *, matmul: bool, cudnn: bool) -> bool:
+    """Whether a float32 step of ``module`` on a GPU rounds to TF32 somewhere.
+
+    Matmul TF32 (off by default) reaches every module; cuDNN's (on by default) only the layers cuDNN
+    runs. So a float32 transformer on a GPU keeps the full-precision tolerance, and a causal LM counted
+    without the shift is still refused there, while a CNN under cuDNN's default gets the wider one.
+
+    Args:
+        module: the LightningModule whose step is checked.
+        matmul: whether float32 matmuls may use TF32.
+        cudnn: whether cuDNN may use TF32.
+
+    >>> tf32_in_use(nn.Sequential(nn.Linear(4, 4)), matmul=False, cudnn=True)
+    False
+    >>> tf32_in_use(nn.Sequential(nn.Conv2d(3, 4, 3)), matmul=False, cudnn=True)
+    True
+    """
+    return matmul or (cudnn and any(isinstance(m, CUDNN_LAYERS) for m in module.modules()))
 
 
 class _Skip(Exception):
@@ -399,6 +423,7 @@ def items_name(fn: ItemsFn) -> str:
 
 __all__ = [
     "FULL_RTOL",
+    "CUDNN_LAYERS",
     "REDUCED_RTOL",
     "SCALE_FLOOR",
     "ExactnessCheck",
@@ -411,5 +436,6 @@ __all__ = [
     "recombine",
     "refusal",
     "relative_difference",
+    "tf32_in_use",
     "uses_reduced_precision",
 ]

@@ -31,6 +31,8 @@ from retune.recovery.exactness import (
     judge,
     refusal,
     relative_difference,
+    tf32_in_use,
+    uses_reduced_precision,
 )
 from tests.helpers.lightning_ns import PRECISION_BF16, pl, seed
 
@@ -454,3 +456,16 @@ def test_under_bf16_autocast_the_wider_tolerance_still_refuses_a_sum_loss() -> N
     assert check.verdict is not None and check.verdict.exact and check.verdict.rtol == REDUCED_RTOL
     with pytest.raises(RetuneError, match=r"below 0.01.*`loss_reduction: sum`"):
         _trainer(_finder({"kind": "oom"}), precision=PRECISION_BF16).fit(Classifier("sum"))
+
+
+def test_tf32_widens_the_tolerance_only_where_the_model_uses_it() -> None:
+    """cuDNN's TF32 (on by default) rounds convolutions and recurrent layers only: a float32 transformer on a
+    GPU keeps the float32 tolerance, so a causal LM counted without the shift is refused there too."""
+    lm = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+    assert not tf32_in_use(lm, matmul=False, cudnn=True)
+    assert tf32_in_use(lm, matmul=True, cudnn=False)
+    assert tf32_in_use(nn.Sequential(nn.Conv1d(2, 2, 1)), matmul=False, cudnn=True)
+    assert tf32_in_use(nn.LSTM(2, 2), matmul=False, cudnn=True)
+    assert not tf32_in_use(nn.Sequential(nn.Conv1d(2, 2, 1)), matmul=False, cudnn=False)
+    assert not uses_reduced_precision(lm, precision_reduced=False)  # on the CPU nothing rounds to TF32
+    assert uses_reduced_precision(lm, precision_reduced=True)
