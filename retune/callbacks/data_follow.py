@@ -33,7 +33,8 @@ def train_data_change(
     say: Say,
 ) -> Change | None:
     """Whether the train samples' sizes changed since the sizes in force were found: rank zero's answer, on
-    every rank (every rank must call it: it broadcasts).
+    every rank (every rank must call it: it broadcasts, unless the schedule leaves nothing to follow — one
+    size probed on the first samples, or the train size not tuned — which every rank knows alike).
 
     Args:
         trainer: the Lightning trainer (its train loaders hold the data trained now).
@@ -43,12 +44,13 @@ def train_data_change(
         train_size: the train batch size in force (one size).
         say: where a rescan reports.
     """
-    local: Change | None = None
-    if tuned:
-        if buckets is not None and buckets.state.sizes:
-            local = buckets.data_change(say)
-        else:  # one size (fixed, or buckets that fell back): what its probes ran on
-            local = probe_batches.largest_change("train", compat.train_loaders(trainer), train_size)
+    if not tuned or (buckets is None and probe_batches.mode != "largest"):
+        return None  # nothing to follow, on every rank alike (the schedule says so): no broadcast
+    local: Change | None
+    if buckets is not None and buckets.state.sizes:
+        local = buckets.data_change(say)
+    else:  # one size (fixed, or buckets that fell back): what its probes ran on
+        local = probe_batches.largest_change("train", compat.train_loaders(trainer), train_size)
     shared = compat.broadcast_object(trainer, local if not isinstance(local, DataChange) else local.search)
     if shared is None or isinstance(shared, LargestChange):
         return shared

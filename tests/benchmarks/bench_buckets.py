@@ -111,22 +111,22 @@ def pad_text(samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
 class BertModel(_Freezable):
     """``BertForSequenceClassification`` from a small ``BertConfig``; the embeddings and encoder are the backbone."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = 64, texts: int = 600) -> None:
         super().__init__()
         from transformers import BertConfig, BertForSequenceClassification
 
         config = BertConfig(
             vocab_size=1000,
-            hidden_size=64,
+            hidden_size=hidden,
             num_hidden_layers=2,
             num_attention_heads=2,
-            intermediate_size=128,
+            intermediate_size=2 * hidden,
             max_position_embeddings=512,
             num_labels=2,
             attn_implementation="eager",
         )
         self.bert = BertForSequenceClassification(config)
-        self.data = TextData()
+        self.data = TextData(texts)
         self.batch_size = 8
         self.backbone = [self.bert.bert.embeddings, self.bert.bert.encoder]
 

@@ -44,31 +44,9 @@ from tests.helpers.lightning_ns import NAMESPACE, PRECISION_32, pl, seed
 BUDGET = "48MiB"
 
 
-class Bert128(bench_buckets.BertModel):
-    """``bench_buckets.BertModel`` at hidden 128 on 1,200 texts."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        from transformers import BertConfig, BertForSequenceClassification
-
-        config = BertConfig(
-            vocab_size=1000,
-            hidden_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            intermediate_size=256,
-            max_position_embeddings=512,
-            num_labels=2,
-            attn_implementation="eager",
-        )
-        self.bert = BertForSequenceClassification(config)
-        self.data = bench_buckets.TextData(n)
-        self.backbone = [self.bert.bert.embeddings, self.bert.bert.encoder]
-
-
 def bert_fit(predict: str, n: int) -> dict[str, Any]:
     seed(0)
-    model = Bert128(n)
+    model = bench_buckets.BertModel(hidden=128, texts=n)  # hidden 128 on 1,200 texts
     schedule = {
         "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],
         "search": {

@@ -15,35 +15,20 @@ from typing import Any
 from retune import ScheduledBatchSizeFinder
 from retune.probing.sample_sizes import FINGERPRINT_LARGEST, FINGERPRINT_SAMPLES
 from tests.helpers import bucket_data
-from tests.helpers.bucket_data import BucketModel, IndexedTokens, long_tail_lengths, tokens
+from tests.helpers.bucket_data import (
+    BucketModel,
+    Curriculum,
+    IndexedTokens,
+    RaiseMaxLen,
+    ReadsPerEpoch,
+    long_tail_lengths,
+    tokens,
+)
 from tests.helpers.lightning_ns import pl, seed
 from tests.helpers.varlen import StepPeaks
 
 BUDGET = 5 * 2**20  # bucket_data.BUDGET
 N = 300
-
-
-class Curriculum(IndexedTokens):
-    """Texts cut at ``max_len`` when read; a length curriculum raises ``max_len`` on this same object."""
-
-    def __init__(self, lengths: list[int], max_len: int) -> None:
-        super().__init__(lengths)
-        self.max_len = max_len
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        sample = super().__getitem__(index)
-        return {**sample, "input_ids": sample["input_ids"][: self.max_len]}
-
-
-class RaiseMaxLen(pl.Callback):  # type: ignore[misc]
-    """The user's curriculum: at the start of epoch ``at``, longer texts (retune's hooks run after this one)."""
-
-    def __init__(self, data: Curriculum, at: int, to: int) -> None:
-        self.data, self.at, self.to = data, at, to
-
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.current_epoch == self.at:
-            self.data.max_len = self.to
 
 
 class PerEpoch(pl.Callback):  # type: ignore[misc]
@@ -84,18 +69,13 @@ def test_an_unchanged_dataset_is_fingerprinted_once_per_epoch_and_never_rescanne
     data = IndexedTokens(long_tail_lengths(N))
     model = BucketModel(data)
     finder = _finder()
-    reads = []
-
-    class Reads(pl.Callback):  # type: ignore[misc]
-        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-            reads.append(data.reads)
-
-    bucket_data.trainer([Reads(), finder], epochs=4).fit(model)
+    reads = ReadsPerEpoch(data)
+    bucket_data.trainer([reads, finder], epochs=4).fit(model)
     cache = finder.probe_batches.cache
     assert cache.scans == 1 and len(finder.history) == 1
     assert cache.checks == 3, "one fingerprint check at each later epoch start"
     # an epoch after the first reads each sample once to train it, plus the one fingerprint check
-    extra = [b - a - N for a, b in pairwise(reads)]
+    extra = [b - a - N for a, b in pairwise(reads.reads)]
     assert all(0 < e <= FINGERPRINT_SAMPLES + FINGERPRINT_LARGEST for e in extra), extra
 
 

@@ -119,6 +119,39 @@ class UnfreezeAt(pl.Callback):  # type: ignore[misc]
             pl_module.unfreeze()
 
 
+class Curriculum(IndexedTokens):
+    """Texts cut at ``max_len`` when read; a length curriculum raises ``max_len`` on this same object."""
+
+    def __init__(self, lengths: list[int], max_len: int) -> None:
+        super().__init__(lengths)
+        self.max_len = max_len
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample = super().__getitem__(index)
+        return {**sample, "input_ids": sample["input_ids"][: self.max_len]}
+
+
+class RaiseMaxLen(pl.Callback):  # type: ignore[misc]
+    """The user's curriculum: at the start of epoch ``at``, ``max_len`` becomes ``to`` (retune's hooks run after)."""
+
+    def __init__(self, data: Curriculum, at: int, to: int) -> None:
+        self.data, self.at, self.to = data, at, to
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch == self.at:
+            self.data.max_len = self.to
+
+
+class ReadsPerEpoch(pl.Callback):  # type: ignore[misc]
+    """How many samples ``data`` had read by the end of each epoch (``data.reads``, cumulative)."""
+
+    def __init__(self, data: Any) -> None:
+        self.data, self.reads = data, []
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.reads.append(self.data.reads)
+
+
 def schedule(**search: Any) -> dict[str, Any]:
     return {
         "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],

@@ -19,10 +19,17 @@ import torch
 
 from retune import ScheduledBatchSizeFinder
 from retune.probing.sample_sizes import FINGERPRINT_LARGEST, FINGERPRINT_SAMPLES
-from tests.buckets.test_data_changes import Curriculum, RaiseMaxLen
 from tests.helpers import bucket_data
-from tests.helpers.bucket_data import BucketModel, IndexedTokens, long_tail_lengths, tokens
-from tests.helpers.lightning_ns import pl, seed
+from tests.helpers.bucket_data import (
+    BucketModel,
+    Curriculum,
+    IndexedTokens,
+    RaiseMaxLen,
+    ReadsPerEpoch,
+    long_tail_lengths,
+    tokens,
+)
+from tests.helpers.lightning_ns import seed
 from tests.helpers.varlen import StepPeaks
 
 BUDGET = 5 * 2**20  # bucket_data.BUDGET
@@ -78,17 +85,12 @@ def test_an_unchanged_dataset_costs_no_search_only_a_fingerprint_per_epoch() -> 
     data = IndexedTokens(long_tail_lengths(N))
     model = BucketModel(data)
     finder = _finder()
-    reads = []
-
-    class Reads(pl.Callback):  # type: ignore[misc]
-        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-            reads.append(data.reads)
-
-    bucket_data.trainer([Reads(), finder], epochs=4).fit(model)
+    reads = ReadsPerEpoch(data)
+    bucket_data.trainer([reads, finder], epochs=4).fit(model)
     cache = finder.probe_batches.cache
     assert len(finder.history) == 1 and cache.scans == 1
     assert cache.checks == 3, "one fingerprint check at each later epoch start"
-    extra = [b - a - N for a, b in pairwise(reads)]
+    extra = [b - a - N for a, b in pairwise(reads.reads)]
     assert all(0 < e <= FINGERPRINT_SAMPLES + FINGERPRINT_LARGEST for e in extra), extra
 
 

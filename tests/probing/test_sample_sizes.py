@@ -31,6 +31,7 @@ from retune.probing.sample_sizes import (
     scan_sizes,
     size_spread,
 )
+from tests.helpers.bucket_data import Curriculum
 from tests.helpers.varlen import TokenDataset, pad_collate, token_count
 
 # -- a sample's size ---------------------------------------------------------------------------
@@ -211,21 +212,9 @@ def test_cache_scans_a_dataset_once_even_when_the_hook_rebuilds_it() -> None:
     assert cache.scans == 3
 
 
-class _Truncated(TokenDataset):
-    """Texts cut at ``max_len`` when read: a length curriculum raises it on the same object."""
-
-    def __init__(self, lengths: list[int], max_len: int) -> None:
-        super().__init__(lengths)
-        self.max_len = max_len
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        sample = super().__getitem__(index)
-        return {**sample, "input_ids": sample["input_ids"][: self.max_len]}
-
-
 def test_the_same_object_changed_in_place_is_scanned_again() -> None:
     lengths = [random.Random(i).choice([8, 12, 200]) for i in range(400)]
-    data = _Truncated(lengths, max_len=64)
+    data = Curriculum(lengths, max_len=64)
     cache = SizeCache()
     scan, _ = cache.get(data, range(400), token_count, None)
     assert scan.sizes[0] == 64
