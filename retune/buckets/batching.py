@@ -16,7 +16,7 @@ from typing import Any
 
 from retune import compat
 from retune.buckets.plan import Buckets
-from retune.buckets.sizes import BucketMemory, length_curve
+from retune.buckets.sizes import shifted_curve
 from retune.buckets.train_buckets import BucketOutcome, PredictBuckets, TracedBuckets, TrainBuckets
 from retune.events import Trial
 from retune.search.batching import FixedSearch, Limits, Say, SearchJob, StageSearch
@@ -58,8 +58,8 @@ class BucketSearch:
         )
         self.outcome: BucketOutcome | None = None
         self.prediction = PredictionRecord()
-        self.traced: tuple[float, tuple[float, ...]] | None = None
-        """``search.predict``: the traced fixed memory and each bucket's memory per sample."""
+        self.traced: TracedBuckets | None = None
+        """``search.predict``: the traced fixed memory and memory per sample (by the longest sample)."""
 
     def describe(self, plan: SearchPlan) -> str:
         grouped = self.grouped
@@ -75,7 +75,7 @@ class BucketSearch:
             start=min(config.init_val, plan.upper),
             max_trials=config.max_trials,
             max_val=config.max_val,
-            margin_of=lambda found, memory_bound: apply_margin(plan, found, memory_bound),
+            margin_of=lambda found, memory_bound, capacity=None: apply_margin(plan, found, memory_bound, capacity),
             tolerance=config.margin,
             steps=config.steps_per_trial,
             direction=job.direction,
@@ -97,24 +97,31 @@ class BucketSearch:
     def _predictor(self, job: SearchJob) -> PredictBuckets | None:
         """``search.predict: auto``: trace the worst batches of the shortest, the middle and the longest bucket at
         each one's cap, one step each (:class:`~retune.search.predict_run.Tracer`); every bucket's memory per
-        sample is the parabola in the length through the three (:func:`~retune.buckets.sizes.length_curve`), and
-        its predicted size is the largest the traced line keeps within the limit. The first trace's optimizer
-        update is reused by the other two (forward and backward only: the state is the same). None where it
-        cannot predict (the event's note says why)."""
+        sample is the parabola in the length through the three (:func:`~retune.buckets.sizes.length_curve`). A
+        later search of the fit traces the shortest and the longest only and takes the middle from the last
+        traced curve plus the change the two show (:func:`~retune.buckets.sizes.shifted_curve`), and
+        its predicted size is the largest the traced line keeps within the limit; where other bounds would take
+        fewer steps at the predicted sizes, the search cuts the samples there (:meth:`TrainBuckets.search`). The
+        first trace's optimizer update is reused by the other two (forward and backward only: the state is the
+        same). None where it cannot predict (the event's note says why)."""
         record, warn = self.prediction, job.warn_once or _say_nothing
         reason = why_not_predict(job.trainer, job.stage, self.limit)
         if reason is not None or self.limit is None:
             record.fell_back(reason or "no limit", warn)
             return None
-        limit, prober = self.limit, job.prober
+        prober = job.prober
 
-        def predict(buckets: Buckets, uppers: Sequence[int], arrange_of: Callable[[int], Any]) -> TracedBuckets | None:
+        def predict(
+            buckets: Buckets, uppers: Sequence[int], arrange_of: Callable[[int], Any], before: TracedBuckets | None
+        ) -> TracedBuckets | None:
             by_length = sorted(range(buckets.count), key=lambda b: (buckets.largest[b], b))
-            chosen = sorted({by_length[0], by_length[len(by_length) // 2], by_length[-1]})
+            ends, middle = sorted({by_length[0], by_length[-1]}), by_length[len(by_length) // 2]
             peaks: dict[int, float] = {}
             fixed = 0.0
             phase = None  # the first trace's optimizer update, reused by the others (the same state)
-            for bucket in chosen:
+
+            def trace(bucket: int) -> bool:
+                nonlocal fixed, phase
                 arrange = prober.arrange
                 prober.arrange = arrange_of(bucket)
                 try:
@@ -128,18 +135,26 @@ class BucketSearch:
                 except Untraceable as error:
                     record.seconds += tracer.seconds
                     record.fell_back(error.reason, warn)
-                    return None
+                    return False
                 record.seconds += tracer.seconds
                 fixed = tracer.fixed or 0.0
-            measured = [(buckets.largest[b], max(0.0, (peaks[b] - fixed) / uppers[b])) for b in chosen]
-            slopes = tuple(length_curve(measured, buckets.largest[b]) for b in range(buckets.count))
-            sizes = tuple(
-                uppers[b] if slope <= 0 else max(1, min(uppers[b], int((limit - fixed) // slope)))
-                for b, slope in enumerate(slopes)
-            )
+                return True
+
+            for bucket in ends:
+                if not trace(bucket):
+                    return None
+
+            def points() -> tuple[tuple[int, float], ...]:
+                return tuple((buckets.largest[b], max(0.0, (peaks[b] - fixed) / uppers[b])) for b in sorted(peaks))
+
+            curve = None
+            if before is not None and middle not in peaks and len(ends) == 2:
+                curve = shifted_curve(before.curve, points(), buckets.largest[middle])
+            if curve is None and middle not in peaks and not trace(middle):
+                return None
             record.path = "predicted"
-            self.traced = (fixed, slopes)
-            return TracedBuckets(BucketMemory(fixed, tuple(slopes), None), sizes)
+            self.traced = TracedBuckets(fixed, curve if curve is not None else points())
+            return self.traced
 
         return predict
 
@@ -160,9 +175,12 @@ class BucketSearch:
         outcome = self._outcome()
         trials = outcome.result.trials
         prediction = self.prediction.event_fields(len(trials))
-        if self.traced is not None and prediction:
-            fixed, slopes = self.traced
-            prediction["predicted_bytes"] = [round(fixed + t.batch_size * slopes[t.bucket]) for t in trials]
+        traced = self.traced
+        if traced is not None and prediction:
+            tops = outcome.buckets.largest
+            prediction["predicted_bytes"] = [
+                round(traced.fixed + t.batch_size * traced.slope(tops[t.bucket])) for t in trials
+            ]
         return {
             **prediction,
             "largest": _reference_largest(outcome),

@@ -31,8 +31,8 @@ Example:
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 MAX_LEVELS = 512
 """Distinct sizes the boundary search considers (more are merged into quantile levels)."""
@@ -48,6 +48,9 @@ class Buckets:
     """Each bucket's dataset indices, largest sample first (ties: lower index first)."""
     largest: tuple[int, ...]
     """Each bucket's largest sample size: its worst batch is made of its largest samples."""
+    sizes: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
+    """Each member's sample size, as ``members`` (empty where the buckets were built by hand): what
+    :func:`regroup` needs to cut the same samples at other bounds."""
 
     @property
     def count(self) -> int:
@@ -113,8 +116,88 @@ def choose_bounds(sizes: Sequence[int], count: int) -> tuple[int, ...]:
     return tuple(sorted(set(bounds)))
 
 
-def _levels(ordered: list[int]) -> tuple[list[int], list[int]]:
-    """Distinct sizes and their counts; beyond :data:`MAX_LEVELS`, quantile groups (each its group's largest)."""
+MAX_STEP_LEVELS = 128
+"""Distinct sizes :func:`choose_bounds_for_steps` considers: it runs at every predicted search, so it merges
+more than :func:`choose_bounds` does (quantile levels; a boundary can only fall between two of them)."""
+
+
+def choose_bounds_for_steps(
+    sizes: Sequence[int],
+    count: int,
+    batch_for: Callable[[int], int],
+    world_size: int = 1,
+) -> tuple[int, ...]:
+    """Upper bounds of at most ``count`` buckets that minimise the steps of an epoch, where a bucket whose
+    largest sample has size ``s`` trains ``batch_for(s)`` samples per rank at each step.
+
+    :func:`choose_bounds` minimises padded work, which counts steps only where batches are large: a batch
+    of the long tail holds one or two samples, and whether its longest sample lets two fit or only one
+    halves or doubles its steps. With a memory model (``search.predict``: the traced memory per sample as
+    a function of the length) the batch each bound allows is known, and the same dynamic programme over the
+    distinct sizes minimises ``sum(ceil(samples per rank / batch))`` instead; ties go to less padded work.
+
+    >>> sizes = [20] * 1000 + list(range(400, 520))   # a short majority and a long tail
+    >>> def batch(longest): return 1000 // longest    # memory: one sample of length s costs s
+    >>> choose_bounds(sizes, 3)                        # padded work: the tail cut in its middle, 110 steps
+    (20, 459, 519)
+    >>> choose_bounds_for_steps(sizes, 3, batch)       # steps: cut where 2 samples still fit, 90 steps
+    (20, 499, 519)
+    """
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if not sizes:
+        return ()
+    levels, weights = _levels(sorted(sizes), MAX_STEP_LEVELS)
+    k = min(count, len(levels))
+    n = len(levels)
+    world = max(1, world_size)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    batches = [max(1, int(batch_for(level))) * world for level in levels]
+    tie = 1.0 / (prefix[-1] * levels[-1] + 1)  # padded work, scaled below one step
+    inf = float("inf")
+    cost = [[inf] * n for _ in range(k)]
+    cut = [[0] * n for _ in range(k)]
+    for b in range(n):
+        cost[0][b] = -(-prefix[b + 1] // batches[b]) + prefix[b + 1] * levels[b] * tie
+    for j in range(1, k):
+        row, prev = cost[j], cost[j - 1]
+        for b in range(j, n):
+            best, arg = inf, j
+            top, group, total = levels[b], batches[b], prefix[b + 1]
+            for a in range(j, b + 1):  # the last bucket covers levels[a..b]
+                held = total - prefix[a]
+                value = prev[a - 1] + -(-held // group) + held * top * tie
+                if value < best:
+                    best, arg = value, a
+            row[b], cut[j][b] = best, arg
+    # fewer buckets can take fewer steps (a split bucket rounds up twice): the best of every count up to k
+    used = min(range(k), key=lambda j: (cost[j][n - 1], j))
+    bounds: list[int] = []
+    b = n - 1
+    for j in range(used, -1, -1):
+        bounds.append(levels[b])
+        if j == 0:
+            break
+        b = cut[j][b] - 1
+    return tuple(sorted(set(bounds)))
+
+
+def regroup(buckets: Buckets, bounds: Sequence[int]) -> Buckets:
+    """The same samples cut at other ``bounds`` (as :func:`assign` would from the scan)."""
+    if len(buckets.sizes) != buckets.count:
+        raise ValueError("these buckets do not know their samples' sizes (built without assign())")
+    order: list[int] = []
+    sizes: list[int] = []
+    for members, member_sizes in zip(reversed(buckets.members), reversed(buckets.sizes), strict=True):
+        order.extend(members)  # buckets ascend, members descend: the whole scan, largest first
+        sizes.extend(member_sizes)
+    return assign(order, sizes, bounds)
+
+
+def _levels(ordered: list[int], limit: int = MAX_LEVELS) -> tuple[list[int], list[int]]:
+    """Distinct sizes and their counts; beyond ``limit``, quantile groups (each its group's largest)."""
     levels: list[int] = []
     weights: list[int] = []
     for size in ordered:
@@ -123,7 +206,7 @@ def _levels(ordered: list[int]) -> tuple[list[int], list[int]]:
         else:
             levels.append(size)
             weights.append(1)
-    if len(levels) <= MAX_LEVELS:
+    if len(levels) <= limit:
         return levels, weights
     total = len(ordered)
     merged_levels: list[int] = []
@@ -131,7 +214,7 @@ def _levels(ordered: list[int]) -> tuple[list[int], list[int]]:
     groups: list[int] = []
     seen = 0
     for level, weight in zip(levels, weights, strict=True):
-        group = seen * MAX_LEVELS // total  # the quantile group this level starts in
+        group = seen * limit // total  # the quantile group this level starts in
         seen += weight
         if groups and groups[-1] == group:
             merged_levels[-1] = level
@@ -159,16 +242,19 @@ def assign(order: Sequence[int], sizes: Sequence[int], bounds: Sequence[int]) ->
     if not bounds:
         return Buckets((), (), ())
     groups: list[list[int]] = [[] for _ in bounds]
+    group_sizes: list[list[int]] = [[] for _ in bounds]
     tops = [0] * len(bounds)
     for index, size in zip(order, sizes, strict=True):
         bucket = next((b for b, bound in enumerate(bounds) if size <= bound), len(bounds) - 1)
         groups[bucket].append(int(index))
+        group_sizes[bucket].append(int(size))
         tops[bucket] = max(tops[bucket], int(size))
     kept = [b for b in range(len(bounds)) if groups[b]]
     return Buckets(
         tuple(int(bounds[b]) for b in kept),
         tuple(tuple(groups[b]) for b in kept),
         tuple(tops[b] for b in kept),
+        tuple(tuple(group_sizes[b]) for b in kept),
     )
 
 
@@ -272,8 +358,10 @@ __all__ = [
     "PlannedBatch",
     "assign",
     "choose_bounds",
+    "choose_bounds_for_steps",
     "count_batches",
     "epoch_batches",
     "mean_batch",
     "plan_buckets",
+    "regroup",
 ]

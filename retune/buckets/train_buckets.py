@@ -28,8 +28,23 @@ from retune import compat
 from retune.buckets.drawn import DrawnBucketBatchSampler, why_draws_unknown
 from retune.buckets.loader import BucketBatchSampler, TrainLoaderHook, is_shuffled, loader_seed
 from retune.buckets.loader import with_batch_sampler as _with_batch_sampler
-from retune.buckets.plan import Buckets, assign, mean_batch, plan_buckets
-from retune.buckets.sizes import BucketMemory, BucketSearchResult, BucketTrial, below_failure, search_buckets
+from retune.buckets.plan import (
+    Buckets,
+    assign,
+    choose_bounds_for_steps,
+    count_batches,
+    mean_batch,
+    plan_buckets,
+    regroup,
+)
+from retune.buckets.sizes import (
+    BucketMemory,
+    BucketSearchResult,
+    BucketTrial,
+    below_failure,
+    length_curve,
+    search_buckets,
+)
 from retune.buckets.throughput import bucket_timings, cap_at_fastest, capped_sizes, reference_bucket
 from retune.events import Direction
 from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
@@ -65,15 +80,34 @@ def sampler_that_chooses(loader: Any) -> str | None:
 
 @dataclass(frozen=True)
 class TracedBuckets:
-    """What traces predicted: the memory model as the search's prior, and each bucket's predicted largest size."""
+    """What traces predicted: the memory every step holds, and the memory per sample as a function of the
+    longest sample in the batch (the traced buckets' points; :func:`~retune.buckets.sizes.length_curve`
+    between and beyond them), so for any grouping of the samples."""
 
-    memory: BucketMemory
-    sizes: tuple[int, ...]
+    fixed: float
+    curve: tuple[tuple[int, float], ...]
+    """``(longest sample, memory per sample)`` of each traced bucket's worst batch."""
+
+    def slope(self, longest: int) -> float:
+        """Memory one more sample adds to a batch whose longest sample is ``longest``."""
+        return length_curve(self.curve, longest)
+
+    def largest(self, longest: int, upper: int, limit: float) -> int:
+        """The largest batch (at most ``upper``) the prediction keeps within ``limit``."""
+        slope = self.slope(longest)
+        return upper if slope <= 0 else max(1, min(upper, int((limit - self.fixed) // slope)))
+
+    def memory(self, buckets: Buckets) -> BucketMemory:
+        """The prediction as a search's prior for these buckets."""
+        return BucketMemory(self.fixed, tuple(self.slope(top) for top in buckets.largest), None)
 
 
-PredictBuckets = Callable[[Buckets, Sequence[int], Callable[[int], Any]], "TracedBuckets | None"]
-"""``predict(buckets, uppers, arrange_of)``: the traced prior (None: it fell back); ``arrange_of(bucket)`` is the
-probe arrangement of the bucket's worst batch at 2 samples (its padded length)."""
+PredictBuckets = Callable[
+    [Buckets, Sequence[int], Callable[[int], Any], "TracedBuckets | None"], "TracedBuckets | None"
+]
+"""``predict(buckets, uppers, arrange_of, before)``: the traced prior (None: it fell back); ``arrange_of(bucket)``
+is the probe arrangement of the bucket's worst batch at 2 samples (its padded length); ``before`` is the last
+search's traced prior in this fit (None: none yet)."""
 
 
 @dataclass
@@ -96,6 +130,9 @@ class BucketState:
     pending: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Bucket -> ``(fitting, failed)`` of real steps that ran out of memory since the last search (the next
     search lowers those buckets): kept here so a checkpoint taken mid-epoch carries them."""
+    by_steps: bool = False
+    """``bounds`` were cut by a predicted search for the fewest steps (:func:`~retune.buckets.plan.
+    choose_bounds_for_steps`), not by padded work: the next searches keep them while the samples are the same."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -109,6 +146,7 @@ class BucketState:
             "padded": self.padded,
             "failed": {str(b): int(size) for b, size in self.failed.items()},
             "pending": {str(b): [int(fit), int(fail)] for b, (fit, fail) in self.pending.items()},
+            "by_steps": self.by_steps,
         }
 
     @property
@@ -131,6 +169,7 @@ class BucketState:
             # absent before issue 28: no failed sizes known, no failures pending
             {int(b): int(size) for b, size in (data.get("failed") or {}).items()},
             {int(b): (int(v[0]), int(v[1])) for b, v in (data.get("pending") or {}).items()},
+            bool(data.get("by_steps", False)),  # absent before issue 29's bounds by steps
         )
 
 
@@ -151,6 +190,8 @@ class BucketOutcome:
     padded: int | None = None
     limited: bool = False
     """Only the buckets whose real steps ran out of memory were searched (an ``oom`` re-tune)."""
+    regrouped_from: Buckets | None = None
+    """The prediction cut the samples at new bounds for fewer steps; these were the buckets before."""
 
 
 class TrainBuckets:
@@ -173,6 +214,8 @@ class TrainBuckets:
         """Lightning shards a train sampler across the ranks (``use_distributed_sampler``)."""
         self._source: Any = None
         """The loader ``train_dataloader()`` last returned to Lightning (what :meth:`data_change` checks)."""
+        self.traced: TracedBuckets | None = None
+        """The last predicted search's traces in this fit: a later one traces two lengths, not three."""
 
     @property
     def failures(self) -> dict[int, tuple[int, int]]:
@@ -292,6 +335,8 @@ class TrainBuckets:
             )
             return None
         scan, fresh = self.probe_batches.cache.get(dataset, candidates, self.probe_batches.size_fn, None)
+        if fresh and not bounds:
+            self.state.by_steps = False  # new sizes: bounds cut for the old ones are not kept
         if fresh:
             self.probe_batches.scan_seconds += scan.seconds
             say(f"scanned the sizes of {scan.scanned} train samples in {scan.seconds:.2f}s for the buckets")
@@ -304,6 +349,8 @@ class TrainBuckets:
             return None
         if bounds:
             return assign(scan.order, scan.sizes, bounds)
+        if self.state.by_steps and self.state.bounds:
+            return assign(scan.order, scan.sizes, self.state.bounds)  # the same samples: the bounds in force
         return plan_buckets(scan.order, scan.sizes, self.count)
 
     def _convert(self, loader: Any) -> Any:
@@ -370,9 +417,11 @@ class TrainBuckets:
     ) -> BucketOutcome:
         """Probe the buckets (all, or only those whose real steps ran out of memory) and return their sizes.
 
-        ``predict`` (``search.predict: auto``) traces the buckets' worst batches before any probe
-        (:func:`traced_prior`): the search then starts every bucket at its predicted size and verifies it, with
-        probes that stop at their first steady-state step. Not for an ``oom`` re-search of some buckets."""
+        ``predict`` (``search.predict: auto``) traces the buckets' worst batches before any probe: a full search
+        may then cut the same samples at bounds that take fewer steps at the predicted sizes
+        (:meth:`_fewer_steps`), and starts every bucket at its predicted size and verifies it, with probes that
+        stop at their first steady-state step. An ``oom`` re-search keeps the buckets (its failures are theirs)
+        and starts each failed bucket at its predicted size below the size that failed."""
         if self.state.seed is None:
             with self.hook.paused():
                 loader = compat.request_dataloader(trainer, "train")
@@ -401,12 +450,35 @@ class TrainBuckets:
             finally:
                 self.current_bucket = None
 
+        known_fail = {
+            b: min(failed, self.state.failed.get(b, failed)) if same_buckets else failed
+            for b, (_, failed) in failures.items()
+        }
+        direction = "down" if failures else direction
         traced = None
-        if predict is not None and not failures:
+        regrouped_from = None
+        if predict is not None:
             with self.hook.paused():
-                traced = predict(buckets, uppers, lambda bucket: arrange_for(bucket, 2))
-            if traced is not None:  # start every bucket at its predicted size: the traces saw the memory as it is
-                prior, previous, direction = traced.memory, list(traced.sizes), "unknown"
+                traced = predict(buckets, uppers, lambda bucket: arrange_for(bucket, 2), self.traced)
+            if traced is not None:
+                self.traced = traced
+            if traced is not None and limit is not None and not failures:
+                better = self._fewer_steps(buckets, traced, limit, max_val, margin_of, world)
+                if better is not None:  # the same samples at new bounds: every bucket is searched (verified) anew
+                    regrouped_from, buckets = buckets, better
+                    uppers = [max(1, min(max_val, -(-len(m) // world))) for m in buckets.members]
+            if traced is not None and limit is not None:  # start every bucket at its predicted size
+                predicted = [traced.largest(top, uppers[b], limit) for b, top in enumerate(buckets.largest)]
+                if failures and previous is not None:
+                    # an oom re-search (the buckets stay): the failed buckets start at their predicted size below
+                    # the size their real steps failed at, the others keep theirs
+                    previous = [
+                        max(1, min(predicted[b], known_fail[b] - 1)) if b in known_fail else previous[b]
+                        for b in range(buckets.count)
+                    ]
+                else:
+                    previous = list(predicted)
+                prior, direction = traced.memory(buckets), "unknown"
         with self.hook.paused(), steady_probes(prober, True) if traced is not None else nullcontext():
             result = search_buckets(
                 buckets.largest,
@@ -416,20 +488,22 @@ class TrainBuckets:
                 start=start,
                 max_trials=max_trials,
                 previous=previous,
-                direction="down" if failures else direction,
+                direction=direction,
                 prior=prior,
-                known_fail={
-                    b: min(failed, self.state.failed.get(b, failed)) if same_buckets else failed
-                    for b, (_, failed) in failures.items()
-                },
+                known_fail=known_fail,
                 known_fit={
                     b: min(fitting, failed - 1) for b, (fitting, failed) in failures.items() if fitting < failed
                 },
                 only=only,
                 tolerance=tolerance,
             )
+
+        def capacity_of(bucket: int) -> float | None:
+            return result.capacity[bucket] if bucket < len(result.capacity) else None
+
         sizes: list[int | None] = [
-            None if found is None else margin_of(found, found < uppers[b]) for b, found in enumerate(result.found)
+            None if found is None else margin_of(found, found < uppers[b], capacity_of(b))
+            for b, found in enumerate(result.found)
         ]
         # after the margin, too: a size that fits longer samples fits shorter ones (up to a bucket's own count),
         # but never to or above a size measured to fail for that bucket (its probes, its real steps)
@@ -446,8 +520,45 @@ class TrainBuckets:
             sizes = [sizes[b] if b in only else previous[b] for b in range(buckets.count)]
         self.state.failed = failed
         return BucketOutcome(
-            buckets, result, sizes, list(self.state.sizes) if same_buckets else [], limited=only is not None
+            buckets,
+            result,
+            sizes,
+            list(self.state.sizes) if same_buckets and regrouped_from is None else [],
+            limited=only is not None,
+            regrouped_from=regrouped_from,
         )
+
+    def _fewer_steps(
+        self,
+        buckets: Buckets,
+        traced: TracedBuckets,
+        limit: int,
+        max_val: int,
+        margin_of: Callable[[int, bool, float | None], int],
+        world: int,
+    ) -> Buckets | None:
+        """The same samples cut at the bounds that take the fewest steps per epoch at the sizes the prediction
+        gives them (margin included), when that is fewer than the buckets' own; else None (they stay)."""
+        if self.count < 2 or len(buckets.sizes) != buckets.count:
+            return None
+
+        def batch_for(longest: int) -> int:
+            found = traced.largest(longest, max_val, limit)
+            slope = traced.slope(longest)
+            return margin_of(found, found < max_val, (limit - traced.fixed) / slope if slope > 0 else None)
+
+        def steps(grouped: Buckets) -> int:
+            sizes = [
+                min(batch_for(top), max(1, -(-len(m) // world)))
+                for top, m in zip(grouped.largest, grouped.members, strict=True)
+            ]
+            return count_batches(grouped, sizes, world_size=world)
+
+        bounds = choose_bounds_for_steps([s for sizes in buckets.sizes for s in sizes], self.count, batch_for, world)
+        if tuple(bounds) == tuple(buckets.bounds):
+            return None
+        candidate = regroup(buckets, bounds)
+        return candidate if steps(candidate) < steps(buckets) else None
 
     def _failed_sizes(
         self,
@@ -538,6 +649,8 @@ class TrainBuckets:
         self.state.sizes = [int(s) for s in sizes if s is not None]
         self.state.largest = list(outcome.largest)
         self.state.reference, self.state.chosen, self.state.padded = outcome.reference, outcome.chosen, outcome.padded
+        if outcome.regrouped_from is not None:
+            self.state.by_steps = True
         if outcome.result.memory is not None:
             self.state.memory = outcome.result.memory
 

@@ -167,11 +167,25 @@ def _apply_margin(plan: SearchPlan, found: int | None, memory_bound: bool) -> in
     return max(1, int(found * (1 - plan.margin)))
 
 
-def apply_margin(plan: SearchPlan, found: int, memory_bound: bool) -> int:
+def apply_margin(plan: SearchPlan, found: int, memory_bound: bool, capacity: float | None = None) -> int:
     """The schedule's margin applied to one bucket's size, by the same rule as a fixed search: only a size
-    that memory limited is cut (not one at the bucket's cap, its share of samples or ``max_val``)."""
+    that memory limited is cut (not one at the bucket's cap, its share of samples or ``max_val``).
+
+    ``capacity``, the size (a fraction) at which the bucket's measured memory line reaches the limit, is what
+    the margin cuts when it is known, never above ``found`` (the size a probe fit): cutting the whole-number
+    ``found`` instead would cut twice where batches are small (a line that reaches the limit at 2.7 samples
+    keeps 2 with a 5% margin, not ``int(2 x 0.95) = 1``).
+
+    >>> plan = SearchPlan("binsearch", start=2, max_trials=25, margin=0.05, upper=1000)
+    >>> apply_margin(plan, 2, True), apply_margin(plan, 2, True, capacity=2.7), apply_margin(plan, 100, True, 101.5)
+    (1, 2, 96)
+    """
     value = _apply_margin(plan, found, memory_bound)
-    return found if value is None else value
+    if value is None:
+        return found  # not cut: at a cap, margin 0 or power mode
+    if capacity is not None and capacity > found:
+        return min(found, max(value, int(capacity * (1 - plan.margin))))
+    return value
 
 
 # -- model mode ----------------------------------------------------------------------------------

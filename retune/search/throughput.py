@@ -27,9 +27,14 @@ Strategy, over sizes at most ``cap`` (what ``largest`` would apply, margin inclu
    first), so the size lands within about 10% of the best on the ladder between doublings. A re-tune
    whose start (the previous choice) is still faster than both its rungs was refined there last time:
    its second round runs only when the first found a faster midpoint.
-4. **Repeat a near tie**: when the chosen size and the runner-up are within twice the tolerance,
+4. **Between the choice and the fastest**: where the smallest size within the tolerance of the fastest
+   (what step 6 chooses) lies below the fastest with untimed sizes between them, their midpoint is
+   timed once; where the two are one size, the midpoint toward its larger neighbour when that one is
+   nearly as fast (within twice the tolerance). On a sharp knee the best size lies there, and the
+   choice is only as good as the fastest size measured; a size above the choice never lowers it.
+5. **Repeat a near tie**: when the chosen size and the runner-up are within twice the tolerance,
    both are timed once more and their steps pooled.
-5. **Choose** the smallest size whose rate is within ``tolerance`` of the fastest: ties go to the
+6. **Choose** the smallest size whose rate is within ``tolerance`` of the fastest: ties go to the
    smaller size (less memory, more optimizer steps per epoch).
 
 The trials it may add are :func:`selection_budget` of the fit search's count: half of them (at least
@@ -163,6 +168,7 @@ class _Selection:
             # midpoints checks that nothing moved between the rungs; a second only if something did
             settled = self.plan.start is not None and self._fastest() == start
             self._refine(settled=settled)
+            self._between_choice_and_fastest()
             self._repeat_near_tie()
         rates = self._rates()
         self.result.rates = rates
@@ -220,6 +226,26 @@ class _Selection:
                 self._have(size)
             if not new:
                 return
+
+    def _between_choice_and_fastest(self) -> None:
+        """One more trial where the size chosen (the smallest within the tolerance of the fastest) and the
+        fastest differ with untimed sizes between them, or, where they are one size, between it and its
+        larger neighbour when that one is nearly as fast (within twice the tolerance): the choice is only as
+        good as the fastest measured, and on a sharp knee the best size lies there (a knee at 16 between 14
+        and 17; at 32 between 30 and 35). Neither trial can lower the choice: both time sizes above it."""
+        rates = self._rates()
+        if len(rates) < 2:
+            return
+        chosen, fastest = choose(rates, self.tol), self._fastest()
+        other: int | None = chosen if chosen < fastest else None
+        if other is None:  # a sharp top: a knee's peak hides before its steep side, toward a larger neighbour
+            above = [s for s in sorted(rates) if s > fastest][:1]
+            near = [s for s in above if rates[s] >= (1 - 2 * self.tol) * rates[fastest]]
+            other = near[0] if near else None
+        if other is not None:
+            mid = _geometric_mid(min(other, fastest), max(other, fastest))
+            if mid is not None and mid not in self.seconds:
+                self._have(mid)
 
     def _repeat_near_tie(self) -> None:
         rates = self._rates()

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
@@ -31,6 +32,7 @@ from retune.events import RetuneEvent
 from retune.reports.batch_size import format_summary
 from retune.search.largest import SearchPlan
 from retune.search.predicted import Prediction, predict_largest, run_predicted_search
+from tests.helpers.bucket_data import BucketModel
 from tests.helpers.lightning_ns import pl
 
 MiB = 1 << 20
@@ -338,3 +340,77 @@ def test_throughput_times_only_sizes_up_to_the_verified_prediction() -> None:
     assert auto.batch_size_after == off.batch_size_after <= auto.largest
     assert auto.batch_size_after < auto.largest, "the knee is below the cap: the timing trials chose it"
     assert len(auto.predicted_bytes) == len(auto.trials) and auto.predicted_bytes[0] is not None
+
+
+class _ShapeOracle(BucketModel):  # type: ignore[misc]
+    """Raises the real out-of-memory error type when a batch's samples x padded length passes ``capacity``, as a
+    device would; from step ``drop_at`` on, batches of long samples get ``after`` (memory the search never saw).
+    Only real steps run out of memory: a fake trace allocates nothing."""
+
+    def __init__(self, data: Any, capacity: int, after: int, drop_at: int) -> None:
+        super().__init__(data)
+        self.capacity, self.after, self.drop_at = capacity, after, drop_at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids = batch[0]
+        if not isinstance(ids, FakeTensor):
+            long = ids.shape[1] > 100 and self.trainer.global_step >= self.drop_at
+            capacity = self.after if long else self.capacity
+            if ids.shape[0] * ids.shape[1] > capacity:
+                raise torch.OutOfMemoryError(f"CUDA out of memory (oracle: {ids.shape[0]} x {ids.shape[1]})")
+        return super().training_step(batch, batch_idx)
+
+
+def test_an_oom_re_search_predicts_the_failed_bucket_below_its_failure() -> None:
+    """A real step of the longest bucket runs out of memory (the oracle's memory, which no trace sees): the ``oom``
+    re-search keeps the buckets, traces, starts that bucket at its prediction below the failed size, probes only
+    it down to what fits, and leaves the others as they were; every sample still trains once per epoch."""
+    from tests.helpers import bucket_data
+    from tests.helpers.bucket_data import IndexedTokens, long_tail_lengths, tokens
+
+    pl.seed_everything(0)
+    n = 400
+    model = _ShapeOracle(IndexedTokens(long_tail_lengths(n)), capacity=1 << 30, after=1024, drop_at=1)
+    schedule = bucket_data.schedule(predict="auto")
+    schedule["triggers"] = [{"kind": "fit_start"}, {"kind": "oom"}]
+    finder = ScheduledBatchSizeFinder(schedule, sample_size=tokens, verbose=False, write_report=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bucket_data.trainer([finder], epochs=2).fit(model)
+    searches = [e for e in finder.history if not e.is_recovery]
+    assert [e.trigger for e in searches] == ["fit_start", "oom"]
+    first, second = searches
+    assert first.prediction == second.prediction == "predicted"
+    assert second.bucket_bounds == first.bucket_bounds, "an oom re-search keeps the buckets its failures name"
+    longest = len(first.bucket_bounds) - 1
+    assert set(second.trial_buckets) == {longest}, "only the failing bucket is probed"
+    assert second.trials[0].batch_size < first.bucket_sizes[longest], "it starts below the size that failed"
+    assert second.bucket_sizes[:longest] == first.bucket_sizes[:longest]
+    assert second.bucket_sizes[longest] * first.bucket_bounds[longest] <= 1024
+    per_epoch = len(model.batches) // 2
+    for batches in (model.batches[:per_epoch], model.batches[per_epoch:]):
+        assert sorted(i for b in batches for i in b) == list(range(n))
+
+
+def test_a_re_tune_traces_two_lengths_and_takes_the_middle_from_the_last_curve(monkeypatch: Any) -> None:
+    """The first predicted search traces the shortest, a middle and the longest bucket; a later one (after the
+    unfreeze) traces the shortest and the longest only and shifts the last curve by the change they show
+    (``shifted_curve``): its predictions of the buckets it did not trace stay within 10% of their probes."""
+    from retune.search.predict_run import Tracer
+    from tests.buckets.test_fit import _fit as bucket_fit
+
+    calls: list[int] = []
+    original = Tracer.__call__
+
+    def counted(self: Tracer, size: int) -> float:
+        calls.append(size)
+        return original(self, size)
+
+    monkeypatch.setattr(Tracer, "__call__", counted)
+    history = bucket_fit(epochs=2, frozen=True, unfreeze_at=1, predict="auto")["finder"].history
+    assert [e.trigger for e in history] == ["fit_start", "trainable_params_changed"]
+    assert len(calls) == 3 + 2
+    retune = history[1]
+    assert retune.prediction == "predicted" and len(set(retune.trial_buckets)) == len(retune.bucket_sizes)
+    errors = [e for e in retune.prediction_errors if e is not None]
+    assert errors and max(abs(e) for e in errors) <= 0.10, errors

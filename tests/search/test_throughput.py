@@ -125,13 +125,15 @@ def test_a_sharp_knee_from_far_away_lands_within_ten_percent(at: int) -> None:
 
 
 def test_a_cold_binsearch_needs_no_ladder_rungs_of_its_own() -> None:
-    # the fit search timed every power of two: the selection only refines and repeats the near tie
+    # the fit search timed every power of two: the selection only refines, times between the choice (38) and
+    # the fastest (45), and repeats the near tie
     step = knee(48)
     calls: list[int] = []
     choice = choose_fastest(ThroughputPlan(cap=1474, tolerance=TOL), powers(step, 2, 1474), oracle(step, calls=calls))
     assert all(not math.log2(size).is_integer() for size in calls), calls
-    assert choice.size in (45, 38) and choice.fastest == 45
-    assert len(calls) <= 6
+    assert 38 <= choice.size <= 45 and choice.fastest == 45
+    assert choice.size / step(choice.size) >= (1 - TOL) * best_rate(step, 1474)
+    assert len(calls) <= 7
 
 
 def test_no_prior_timings_descends_from_the_cap_by_halves() -> None:
@@ -318,3 +320,18 @@ def test_a_short_budget_refines_toward_the_faster_neighbour_first() -> None:
     choice = choose_fastest(ThroughputPlan(cap=512, tolerance=TOL, max_trials=3), known, oracle(step, calls=calls))
     assert calls == [91, 181, 108]
     assert choice.size / step(choice.size) >= 0.98 * best_rate(step, 512)
+
+
+def test_a_sharp_knee_between_two_timed_sizes_is_timed_before_choosing() -> None:
+    """Every cap from just above a sharp knee to 3x it, cold or from a start on either side, at the default
+    tolerance: the choice is within 3.5% of the true best. Without timing between the choice and the fastest
+    (or toward a nearly-as-fast larger neighbour of the fastest) the worst of these lands 5.2% below (knee 16,
+    cap 20: 14 where 16 is best)."""
+    worst = 1.0
+    for at in (16, 32, 48):
+        step = knee(at)
+        for cap in range(at + 2, 3 * at + 1):
+            for start in (None, max(1, at // 2), 2 * at):
+                choice = choose_fastest(ThroughputPlan(cap=cap, tolerance=0.02, start=start), {}, oracle(step))
+                worst = min(worst, choice.size / step(choice.size) / best_rate(step, cap))
+    assert worst >= 0.965, worst
