@@ -17,7 +17,9 @@ the prediction error of the fake trace against the CPU tracker's measured peak o
 scenario (MLP, CNN, BERT, GPT-2 + LoRA: ``tests/helpers/prediction_models.py``).
 
 Each setting runs ``--repeats`` times (3): the searches are the same every time, their seconds are not on a
-shared CPU, so the median cost is the one reported (and every repeat's).
+shared CPU, so the median cost is the one reported (and every repeat's). Each fit starts with fake tensors'
+process-wide dispatch cache empty, as a fresh process does (a repeat would otherwise find every trace's
+operators cached from the last fit: 0.12-0.30 s of traces instead of 0.35-0.42 s).
 
 Run: ``python -m tests.benchmarks.bench_prediction`` (writes tests/benchmarks/results/prediction.json).
 """
@@ -34,6 +36,7 @@ import warnings
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from retune import ScheduledBatchSizeFinder
 from retune.schedule.models import parse_byte_size
@@ -46,6 +49,9 @@ BUDGET = "48MiB"
 
 def bert_fit(predict: str, n: int) -> dict[str, Any]:
     seed(0)
+    # every fit pays what a fresh process pays: fake tensors cache each operator's result metadata by its inputs'
+    # shapes, process-wide, so a repeated fit (the same shapes) would trace 1.5-3x faster than a real run does
+    FakeTensorMode.cache_clear()
     model = bench_buckets.BertModel(hidden=128, texts=n)  # hidden 128 on 1,200 texts
     schedule = {
         "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],
@@ -90,6 +96,8 @@ def bert_fit(predict: str, n: int) -> dict[str, Any]:
                 "prediction": event.prediction,
                 "note": event.note,
                 "bucket_sizes": event.bucket_sizes,
+                "bucket_bounds": event.bucket_bounds,
+                "bucket_samples": event.bucket_samples,
                 "prediction_errors": errors,
             }
         )
