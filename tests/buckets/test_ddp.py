@@ -55,6 +55,25 @@ def test_every_real_step_of_each_rank_stays_within_the_budget(ranks: list[dict[s
     assert all(max(r["peaks"]) <= budget for r in ranks), [max(r["peaks"]) / budget for r in ranks]
 
 
+def test_bounds_cut_by_steps_agree_across_ranks_and_every_sample_trains_once(tmp_path: Path) -> None:
+    """``search.predict: auto`` on a tail the search re-cuts for fewer steps: both ranks trace (the hungrier
+    rank's prediction), cut the same bounds, verify every bucket with the same probes, and deal every sample
+    once per epoch at one bucket per step; no real step over the budget."""
+    code, output, out = run_rank_scripts({"by_steps": ["{out}", "by_steps"]}, SCRIPT, tmp_path, 240)["by_steps"]
+    assert code == 0, output[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    histories = [
+        [(e["trigger"], e["bucket_bounds"], e["bucket_sizes"], e["trials"]) for e in r["history"]] for r in ranks
+    ]
+    assert histories[0] == histories[1]
+    assert all(e["prediction"] == "predicted" for e in ranks[0]["history"])
+    assert ranks[0]["by_steps"] and ranks[1]["by_steps"], "the bounds were cut by steps"
+    for epoch in (0, 1):
+        bucket_data.check_rank_steps(ranks, epoch, N)
+    budget = parse_byte_size(bucket_data.BUDGET)
+    assert all(max(r["peaks"]) <= budget for r in ranks), [max(r["peaks"]) / budget for r in ranks]
+
+
 def test_throughput_ranks_agree_and_the_slowest_rank_decides_the_padded_work(tmp_path: Path) -> None:
     from tests.ddp.run_ddp_buckets_throughput import TIMES
 

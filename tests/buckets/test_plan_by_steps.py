@@ -123,8 +123,7 @@ def test_the_margin_cuts_the_capacity_not_its_floor() -> None:
 def _lengths(n: int = 400) -> list[int]:
     """Short texts and a 5% tail of 600-1,200 tokens, which trains one or two to a batch: where the tail is cut
     decides how many of its samples go two at a time."""
-    r = random.Random(0)
-    return [r.randint(600, 1200) if r.random() < 0.05 else r.randint(8, 32) for _ in range(n)]
+    return bucket_data.long_tail_lengths(n, **bucket_data.LONG_TAIL_BY_STEPS)  # type: ignore[arg-type]
 
 
 def _fit(predict: str) -> dict[str, Any]:

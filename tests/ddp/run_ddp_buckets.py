@@ -50,17 +50,28 @@ class Record(pl.Callback):  # type: ignore[misc,name-defined]
             "steps": self.steps,
             "peaks": self.peaks.peaks,
             "global_step": trainer.global_step,
+            "by_steps": self.finder._buckets is not None and self.finder._buckets.state.by_steps,
         }
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-def run(out: Path, model: bucket_data.BucketModel, objective: str = "largest", **trainer_kwargs: Any) -> None:
+def run(
+    out: Path,
+    model: bucket_data.BucketModel,
+    objective: str = "largest",
+    search: dict[str, Any] | None = None,
+    **trainer_kwargs: Any,
+) -> None:
     """Fit ``model`` for two epochs (the backbone unfrozen at the second) on 2 ranks under DDP, or under
-    the strategy in ``trainer_kwargs`` (tests/fsdp2/run_fsdp2_buckets.py), recording what each rank saw."""
+    the strategy in ``trainer_kwargs`` (tests/fsdp2/run_fsdp2_buckets.py), recording what each rank saw;
+    ``search`` adds schedule fields (``predict``, ``buckets``)."""
     torch.set_num_threads(1)
     finder = ScheduledBatchSizeFinder(
-        bucket_data.schedule(objective=objective), sample_size=bucket_data.tokens, verbose=False, write_report=False
+        bucket_data.schedule(objective=objective, **(search or {})),
+        sample_size=bucket_data.tokens,
+        verbose=False,
+        write_report=False,
     )
     peaks = StepPeaks()
     trainer = ddp_trainer(
@@ -74,6 +85,11 @@ def run(out: Path, model: bucket_data.BucketModel, objective: str = "largest", *
 
 def main() -> None:
     pl.seed_everything(0)
+    if sys.argv[2:] == ["by_steps"]:  # predict: auto on a tail the search re-cuts for fewer steps
+        lengths = bucket_data.long_tail_lengths(401, **bucket_data.LONG_TAIL_BY_STEPS)  # type: ignore[arg-type]
+        model = bucket_data.BucketModel(bucket_data.IndexedTokens(lengths), frozen=True)
+        run(Path(sys.argv[1]), model, search={"predict": "auto", "buckets": 3})
+        return
     model = bucket_data.BucketModel(bucket_data.IndexedTokens(bucket_data.long_tail_lengths(401)), frozen=True)
     run(Path(sys.argv[1]), model)
 

@@ -26,9 +26,15 @@ VOCAB = 512  # the same as tests/helpers/varlen.py, whose TokenDataset draws the
 BUDGET = "5MiB"
 
 
-def long_tail_lengths(n: int, seed: int = 0, tail: float = 0.03) -> list[int]:
+def long_tail_lengths(n: int, seed: int = 0, tail: float = 0.03, longest: tuple[int, int] = (200, 256)) -> list[int]:
+    """``n`` lengths: 8-32 tokens, a share ``tail`` drawn from ``longest`` instead."""
     r = random.Random(seed)
-    return [r.randint(200, 256) if r.random() < tail else r.randint(8, 32) for _ in range(n)]
+    return [r.randint(*longest) if r.random() < tail else r.randint(8, 32) for _ in range(n)]
+
+
+LONG_TAIL_BY_STEPS = {"tail": 0.05, "longest": (600, 1200)}
+"""A tail that trains one or two samples to a batch under the 5 MiB budget: where its bucket is cut decides how
+many go two at a time (``search.predict: auto`` cuts it by steps, tests/buckets/test_plan_by_steps.py)."""
 
 
 class IndexedTokens(TokenDataset):
