@@ -686,7 +686,8 @@ class TrainBuckets:
             return None
         cache = self.probe_batches.cache
         scans = cache.scans
-        grouped = self.prepare(loader, say)
+        # bounds cut by steps stay: the next predicted search re-cuts them for the new sizes if that takes fewer
+        grouped = self.prepare(loader, say, bounds=self.state.bounds if self.state.by_steps else None)
         before = self.buckets
         # a checkpoint's bounds on data that outgrew them (restore() puts longer samples in the last bucket)
         outgrown = any(top > bound for top, bound in zip(before.largest, before.bounds, strict=True))

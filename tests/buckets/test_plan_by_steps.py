@@ -192,3 +192,28 @@ def test_later_searches_of_the_same_samples_keep_the_bounds_in_force(runs: dict[
     grouped = buckets.prepare(loader, lambda message: None)
     assert grouped is not None and list(grouped.bounds) == buckets.state.bounds
     assert tuple(grouped.bounds) != choose_bounds([tokens(sample) for sample in loader.dataset], 3)
+
+
+def test_samples_that_got_shorter_keep_the_bounds_in_force_without_a_search() -> None:
+    """A length curriculum that shortens the samples (the tail cut at 900 tokens from epoch 1) under bounds cut by
+    steps: the samples are regrouped at the bounds in force, every bucket's samples got no longer, so nothing is
+    searched again (the padded-work plan of the new sizes would have other bounds, and a search)."""
+    seed(0)
+    data = bucket_data.Curriculum(_lengths(), max_len=1200)
+    model = BucketModel(data)
+    finder = ScheduledBatchSizeFinder(
+        bucket_data.schedule(predict="auto", buckets=3), sample_size=tokens, verbose=False, write_report=False
+    )
+    peaks = StepPeaks()
+    first: list[int] = []
+
+    class Count(bucket_data.pl.Callback):  # type: ignore[misc,name-defined]
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            first.append(len(model.batches))
+
+    bucket_data.trainer([bucket_data.RaiseMaxLen(data, at=1, to=900), peaks, Count(), finder], epochs=2).fit(model)
+    assert finder._buckets is not None and finder._buckets.state.by_steps
+    assert [e.trigger for e in finder.history] == ["fit_start"], [e.trigger for e in finder.history]
+    assert max(peaks.peaks) <= BUDGET
+    assert sorted(i for batch in model.batches[first[0] :] for i in batch) == list(range(len(_lengths())))
+    assert max(len(data[i]["input_ids"]) for batch in model.batches[first[0] :] for i in batch) == 900
