@@ -467,13 +467,14 @@ class TrainBuckets:
                 if better is not None:  # the same samples at new bounds: every bucket is searched (verified) anew
                     regrouped_from, buckets = buckets, better
                     uppers = [max(1, min(max_val, -(-len(m) // world))) for m in buckets.members]
-            if traced is not None and limit is not None:  # start every bucket at its predicted size
+            if traced is not None and limit is not None and (not failures or previous is not None):
+                # every bucket starts at its predicted size; an oom re-search (the buckets stay) starts only the
+                # failed ones there, below the size their real steps failed at, and the others keep theirs
                 predicted = [traced.largest(top, uppers[b], limit) for b, top in enumerate(buckets.largest)]
                 if failures and previous is not None:
-                    # an oom re-search (the buckets stay): the failed buckets start at their predicted size below
-                    # the size their real steps failed at, the others keep theirs
+                    kept = previous
                     previous = [
-                        max(1, min(predicted[b], known_fail[b] - 1)) if b in known_fail else previous[b]
+                        max(1, min(predicted[b], known_fail[b] - 1)) if b in known_fail else kept[b]
                         for b in range(buckets.count)
                     ]
                 else:
