@@ -165,13 +165,7 @@ def test_every_bucket_of_a_new_plan_is_verified_and_every_step_fits(runs: dict[s
     auto = runs["auto"]
     assert max(auto["peaks"].peaks) <= BUDGET, max(auto["peaks"].peaks) / BUDGET
     for event in auto["finder"].history:
-        for bucket, size in enumerate(event.bucket_sizes):
-            verified = [
-                t.batch_size
-                for t, b in zip(event.trials, event.trial_buckets, strict=True)
-                if t.fits and event.bucket_bounds[b] >= event.bucket_bounds[bucket]
-            ]
-            assert max(verified, default=0) >= size, f"bucket {bucket}'s size {size} was never verified"
+        assert bucket_data.unverified_buckets(event) == [], (event.bucket_sizes, event.trials)
 
 
 def test_each_sample_trains_once_per_epoch_under_the_new_bounds(runs: dict[str, dict[str, Any]]) -> None:

@@ -244,3 +244,18 @@ def check_rank_steps(ranks: list[dict[str, Any]], epoch: int, n: int) -> None:
     # bucket's last round when it is odd (it can be from the same round, when the bucket is that round)
     for a, b in zip(steps[0], steps[1], strict=True):
         assert len(set(a["indices"]) & set(b["indices"])) <= 1
+
+
+def unverified_buckets(event: Any) -> list[int]:
+    """The buckets of a search event whose size no real probe verified: a size is used only at or below one a
+    probe found to fit, in its bucket or one of longer samples (a size that fits longer samples fits shorter)."""
+    unverified = []
+    for bucket, size in enumerate(event.bucket_sizes):
+        verified = [
+            t.batch_size
+            for t, b in zip(event.trials, event.trial_buckets, strict=True)
+            if t.fits and event.bucket_bounds[b] >= event.bucket_bounds[bucket]
+        ]
+        if max(verified, default=0) < size:
+            unverified.append(bucket)
+    return unverified
