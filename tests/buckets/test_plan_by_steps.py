@@ -211,3 +211,27 @@ def test_samples_that_got_shorter_keep_the_bounds_in_force_without_a_search() ->
     assert max(peaks.peaks) <= BUDGET
     assert sorted(i for batch in model.batches[first[0] :] for i in batch) == list(range(len(_lengths())))
     assert max(len(data[i]["input_ids"]) for batch in model.batches[first[0] :] for i in batch) == 900
+
+
+def test_throughput_caps_the_buckets_of_a_new_plan() -> None:
+    """``objective: throughput`` after a predicted search moved the bounds: the selection times the new plan's
+    reference bucket (no start from the old plan's choice), every size is at most what fits, every sample
+    trains once per epoch, every step within the budget. (Real clock: the choice varies, these do not.)"""
+    seed(0)
+    model = BucketModel(IndexedTokens(_lengths()), frozen=True)
+    finder = ScheduledBatchSizeFinder(
+        bucket_data.schedule(predict="auto", buckets=3, objective="throughput"),
+        sample_size=tokens,
+        verbose=False,
+        write_report=False,
+    )
+    peaks = StepPeaks()
+    bucket_data.trainer([UnfreezeAt(1), peaks, finder], epochs=2).fit(model)
+    assert finder._buckets is not None and finder._buckets.state.by_steps
+    for event in finder.history:
+        assert event.prediction == "predicted" and event.objective == "throughput"
+        assert all(s <= f for s, f in zip(event.bucket_sizes, event.bucket_largest, strict=True))
+        assert event.reference_bucket is not None and event.reference_bucket < len(event.bucket_bounds)
+        assert bucket_data.unverified_buckets(event) == []
+    assert max(peaks.peaks) <= BUDGET
+    assert sorted(i for batch in model.batches for i in batch) == sorted(list(range(len(_lengths()))) * 2)
