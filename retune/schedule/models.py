@@ -106,9 +106,9 @@ class SearchConfig(_Config):
         ge=0.0,
         lt=1.0,
         description=(
-            "Safety cut applied to the size found by binsearch (and model): found * (1 - margin). With "
-            "batching: buckets, to the size at which a bucket's measured memory line reaches the limit, never "
-            "above the size that fit (2.7 -> 2 at 0.05, not int(2 * 0.95) = 1)."
+            "Safety cut applied to the size found by binsearch (and model): found * (1 - margin). Where the "
+            "probes measure a memory line (mode: model, batching: buckets, predict), to the size at which the "
+            "line reaches the limit, never above the size that fit (2.7 -> 2 at 0.05, not int(2 * 0.95) = 1)."
         ),
     )
     max_val: StrictInt = Field(8192, ge=1, description="Largest batch size ever tried.")

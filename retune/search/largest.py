@@ -232,8 +232,10 @@ def run_model_search(
         size = _model_next(plan, lo, hi, points, limit, prior)
     line = _secant(points, limit) or prior
     # below the cap, a model search stops on a failure or on a measured peak one sample short of the limit:
-    # either way memory limited the size
-    return SearchResult(_apply_margin(plan, lo, memory_bound=True), lo, hi, trials, peaks, line)
+    # either way memory limited the size; the margin cuts where the measured line reaches the limit
+    capacity = (limit - line.fixed) / line.per_sample if line is not None and line.per_sample > 0 else None
+    size = None if lo is None else apply_margin(plan, lo, True, capacity)
+    return SearchResult(size, lo, hi, trials, peaks, line)
 
 
 def _model_next(

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from retune.events import Trial
 from retune.prediction.line import Calibration, PeakLine, calibrate
-from retune.search.largest import MemoryModel, SearchPlan, SearchResult, _apply_margin, nearest_pair
+from retune.search.largest import MemoryModel, SearchPlan, SearchResult, apply_margin, nearest_pair
 
 __all__ = [
     "Prediction",
@@ -179,10 +179,12 @@ def run_predicted_search(
         if len(result.trials) >= plan.max_trials:
             break
         size = _next(plan, line, calibration, measured, lo, hi, limit)
-    result.size = _apply_margin(plan, lo, memory_bound=True)
     result.max_fitting, result.min_failing = lo, hi
     result.calibration = calibration
     corrected = _corrected(line, calibration)
+    # the margin cuts where the calibrated line reaches the limit (never above the size that fit)
+    capacity = (limit - corrected.fixed) / corrected.per_sample if corrected.per_sample > 0 else None
+    result.size = None if lo is None else apply_margin(plan, lo, True, capacity)
     result.model = MemoryModel(corrected.fixed, corrected.per_sample)
     return result
 

@@ -408,3 +408,13 @@ def test_a_re_tune_traces_two_lengths_and_takes_the_middle_from_the_last_curve(m
     assert retune.prediction == "predicted" and len(set(retune.trial_buckets)) == len(retune.bucket_sizes)
     errors = [e for e in retune.prediction_errors if e is not None]
     assert errors and max(abs(e) for e in errors) <= 0.10, errors
+
+
+def test_the_margin_cuts_the_calibrated_lines_capacity() -> None:
+    """A step that reaches the limit at 2.7 samples, traced exactly: with a 5% margin the verified size is 2
+    (``int(2.7 x 0.95)``), not ``int(2 x 0.95) = 1``."""
+    peak = _curve(100, 1000)
+    prediction = predict_largest(peak, 2800, upper=64, first=64, fixed=lambda: peak(0))
+    plan = SearchPlan("model", 2, 25, 0.05, 64)
+    result = run_predicted_search(plan, prediction, lambda s: (peak(s) <= 2800, peak(s)), 2800)
+    assert result.max_fitting == 2 and result.size == 2

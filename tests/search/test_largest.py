@@ -503,3 +503,21 @@ def test_binsearch_below_the_cap_the_margin_still_applies() -> None:
 
 def test_power_at_the_cap_is_the_cap() -> None:
     assert run_search(cold("power", margin=0.5, max_val=64), fits_upto(1000)).size == 64
+
+
+@pytest.mark.parametrize(("per_sample", "expected"), [(1000, 2), (1300, 1), (10, 256)])
+def test_model_mode_cuts_the_margin_from_the_measured_lines_capacity(per_sample: int, expected: int) -> None:
+    """``peak = 100 + per_sample x size`` within 2,800: the line reaches the limit at 2.7 samples (per sample 1000),
+    2.08 (1300: 2 fits, and the margin's 5% of 2.08 passes below 2) or 270 (10); a 5% margin keeps
+    ``int(capacity x 0.95)``, never above the size that fit: 2, 1 and 256. Cutting the whole number that fit (2)
+    instead gave ``int(2 x 0.95) = 1`` for the first."""
+    from retune.search.largest import run_model_search
+
+    def measure(size: int) -> tuple[bool, int | None]:
+        peak = 100 + per_sample * size
+        return peak <= 2800, peak
+
+    plan = SearchPlan("model", start=1, max_trials=25, margin=0.05, upper=4096)
+    result = run_model_search(plan, measure, 2800)
+    assert result.max_fitting == (2800 - 100) // per_sample
+    assert result.size == expected
