@@ -366,14 +366,20 @@ def test_buckets_throughput_prose_is_the_results_file() -> None:
         return _span(values, lambda x: _fmt(x, digits))
 
     bert = [results["bert"][mode]["epochs"][0]["samples_per_step"] for mode in ("buckets_throughput", "buckets")]
+    capped = [results["bert"]["buckets_throughput"]["timed_searches"][n]["padded_per_step"] for n in (0, 1)]
     _says(
         BENCHMARKS,
         f"(worst {worst('tokens')} tokens, {worst('bert')} BERT)",
         f"The searches cost {trials('tokens', 'buckets_throughput')} trials ({seconds('tokens')} s) on tokens "
         f"against {trials('tokens', 'buckets')}, and {trials('bert', 'buckets_throughput')} trials "
         f"({seconds('bert')} s) on BERT against {trials('bert', 'buckets')}.",
+        # what the run did to the BERT: capped (and how much smaller its steps were) or not
         f"the same speed with {_fmt(100 * (1 - bert[0] / bert[1]), 0)}% fewer samples per step (BERT epoch 0: "
-        f"{_fmt(bert[0], 0)} instead of {_fmt(bert[1], 0)})",
+        f"{_fmt(bert[0], 0)} instead of {_fmt(bert[1], 0)})"
+        if capped[0] is not None
+        else "left the BERT uncapped in both epochs"
+        if capped[1] is None
+        else "left the BERT uncapped in epoch 0",
     )
 
 
