@@ -427,7 +427,7 @@ class TrainBuckets:
                 loader = compat.request_dataloader(trainer, "train")
             self.state.seed = int(compat.broadcast_object(trainer, loader_seed(loader)))
         world = max(1, int(trainer.world_size))
-        uppers = [max(1, min(max_val, -(-len(m) // world))) for m in buckets.members]
+        uppers = _uppers(buckets, max_val, world)
         same_buckets = list(buckets.bounds) == self.state.bounds and len(self.state.sizes) == buckets.count
         # a warm search starts where memory was last time: the largest sizes, not a throughput cap below them
         previous: list[int | None] | None = list(self.state.fit_sizes) if same_buckets and not cold else None
@@ -460,26 +460,14 @@ class TrainBuckets:
         if predict is not None:
             with self.hook.paused():
                 traced = predict(buckets, uppers, lambda bucket: arrange_for(bucket, 2), self.traced)
-            if traced is not None:
-                self.traced = traced
-            if traced is not None and limit is not None and not failures:
-                better = self._fewer_steps(buckets, traced, limit, max_val, margin_of, world)
-                if better is not None:  # the same samples at new bounds: every bucket is searched (verified) anew
-                    regrouped_from, buckets = buckets, better
-                    uppers = [max(1, min(max_val, -(-len(m) // world))) for m in buckets.members]
-            if traced is not None and limit is not None and (not failures or previous is not None):
-                # every bucket starts at its predicted size; an oom re-search (the buckets stay) starts only the
-                # failed ones there, below the size their real steps failed at, and the others keep theirs
-                predicted = [traced.largest(top, uppers[b], limit) for b, top in enumerate(buckets.largest)]
-                if failures and previous is not None:
-                    kept = previous
-                    previous = [
-                        max(1, min(predicted[b], known_fail[b] - 1)) if b in known_fail else kept[b]
-                        for b in range(buckets.count)
-                    ]
-                else:
-                    previous = list(predicted)
-                prior, direction = traced.memory(buckets), "unknown"
+            self.traced = traced or self.traced
+        if traced is not None and limit is not None:
+            better = None if failures else self._fewer_steps(buckets, traced, limit, max_val, margin_of, world)
+            if better is not None:  # the same samples at new bounds: every bucket is searched (verified) anew
+                regrouped_from, buckets, uppers = buckets, better, _uppers(better, max_val, world)
+            starts = predicted_start(traced, buckets, uppers, limit, previous, known_fail)
+            if starts is not None:
+                previous, prior, direction = starts, traced.memory(buckets), "unknown"
         with self.hook.paused(), steady_probes(prober, True) if traced is not None else nullcontext():
             result = search_buckets(
                 buckets.largest,
@@ -725,6 +713,45 @@ class DataChange:
         return f"the buckets' longest samples {before} -> {after}"
 
 
+def _uppers(buckets: Buckets, max_val: int, world: int) -> list[int]:
+    """Each bucket's largest possible batch on one rank: its share of the samples, at most ``max_val``."""
+    return [max(1, min(max_val, -(-len(members) // world))) for members in buckets.members]
+
+
+def predicted_start(
+    traced: TracedBuckets,
+    buckets: Buckets,
+    uppers: Sequence[int],
+    limit: float,
+    previous: Sequence[int | None] | None,
+    known_fail: Mapping[int, int],
+) -> list[int | None] | None:
+    """Where a predicted search starts each bucket: at its predicted size. An ``oom`` re-search (``known_fail``:
+    the buckets whose real steps failed, and at what size) starts only those there, below the size that failed,
+    and keeps ``previous`` for the others; without ``previous`` it cannot (None: start as without predict).
+
+    >>> traced = TracedBuckets(100.0, ((10, 10.0), (100, 100.0)))
+    >>> buckets = Buckets((10, 100), ((0, 1), (2,)), (10, 100))
+    >>> predicted_start(traced, buckets, [64, 64], 2100.0, None, {})            # (2100 - 100) / slope
+    [64, 20]
+    >>> predicted_start(traced, buckets, [64, 64], 2100.0, [40, 30], {1: 12})  # below the failed 12
+    [40, 11]
+    >>> predicted_start(traced, buckets, [64, 64], 2100.0, None, {1: 12}) is None
+    True
+    """
+    predicted = [traced.largest(top, uppers[b], limit) for b, top in enumerate(buckets.largest)]
+    starts: list[int | None] = list(predicted)
+    if not known_fail:
+        return starts
+    if previous is None:
+        return None
+    for bucket in range(buckets.count):
+        starts[bucket] = (
+            max(1, min(predicted[bucket], known_fail[bucket] - 1)) if bucket in known_fail else previous[bucket]
+        )
+    return starts
+
+
 class _Broadcast:
     """Rank zero's object on every rank, through the trainer's strategy (a class, not a closure, so that a
     sampler holding it can be inspected and the trainer is named in one place)."""
@@ -755,6 +782,7 @@ __all__ = [
     "DataChange",
     "PredictBuckets",
     "TracedBuckets",
+    "predicted_start",
     "TrainBuckets",
     "sampler_that_chooses",
 ]
