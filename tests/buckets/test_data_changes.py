@@ -83,13 +83,7 @@ def test_a_rebuilt_dataset_with_the_same_samples_is_not_rescanned_and_a_longer_o
     seed(0)
     lengths = long_tail_lengths(N, tail=0.05)
 
-    class Rebuilt(BucketModel):
-        def train_dataloader(self) -> Any:
-            epoch = self.trainer.current_epoch
-            self.data = Curriculum(lengths, max_len=64 if epoch < 2 else 256)  # a new object every epoch
-            return super().train_dataloader()
-
-    model = Rebuilt(Curriculum(lengths, 64))
+    model = bucket_data.RebuiltCurriculum(lengths, at=2, before=64, after=256)  # a new dataset object every epoch
     finder, peaks = _finder(), StepPeaks()
     bucket_data.trainer([peaks, finder], epochs=3, reload_dataloaders_every_n_epochs=1).fit(model)
     assert [e.trigger for e in finder.history] == ["fit_start", "data_changed"]

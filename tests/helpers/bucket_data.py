@@ -18,9 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from tests.helpers.lightning_ns import PRECISION_32, pl
+from tests.helpers.lightning_ns import pl
 from tests.helpers.varlen import TokenDataset, token_count
 from tests.helpers.varlen import pad_collate as pad_tokens
+from tests.helpers.varlen import trainer as quiet_trainer
 
 VOCAB = 512  # the same as tests/helpers/varlen.py, whose TokenDataset draws the tokens
 BUDGET = "5MiB"
@@ -148,6 +149,25 @@ class RaiseMaxLen(pl.Callback):  # type: ignore[misc]
             self.data.max_len = self.to
 
 
+def trainer(callbacks: list[Any], epochs: int = 1, **kwargs: Any) -> Any:
+    """tests/helpers/varlen.py's quiet CPU trainer (``kwargs`` add or override Trainer arguments)."""
+    return quiet_trainer(callbacks, epochs, **kwargs)
+
+
+class RebuiltCurriculum(BucketModel):
+    """A model whose ``train_dataloader()`` builds a new ``Curriculum`` over ``lengths`` every epoch (Lightning's
+    ``reload_dataloaders_every_n_epochs=1``): cut at ``before`` tokens until epoch ``at``, at ``after`` from then on."""
+
+    def __init__(self, lengths: list[int], at: int = 2, before: int = 64, after: int = 256) -> None:
+        super().__init__(Curriculum(lengths, before))
+        self.lengths, self.at, self.before, self.after = lengths, at, before, after
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        cut = self.before if self.trainer.current_epoch < self.at else self.after
+        self.data = Curriculum(self.lengths, max_len=cut)  # a new object every epoch
+        return super().train_dataloader()
+
+
 class ReadsPerEpoch(pl.Callback):  # type: ignore[misc]
     """How many samples ``data`` had read by the end of each epoch (``data.reads``, cumulative)."""
 
@@ -164,22 +184,6 @@ def schedule(**search: Any) -> dict[str, Any]:
         "search": {"batching": "buckets", "buckets": 4, "steps_per_trial": 2, **search},
         "memory": {"budget": BUDGET},
     }
-
-
-def trainer(callbacks: list[Any], epochs: int = 1, **kwargs: Any) -> Any:
-    options: dict[str, Any] = {
-        "max_epochs": epochs,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-        "precision": PRECISION_32,
-        "accelerator": "cpu",
-        "devices": 1,
-    }
-    options.update(kwargs)
-    return pl.Trainer(callbacks=callbacks, **options)
 
 
 @dataclass(frozen=True)

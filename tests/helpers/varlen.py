@@ -142,19 +142,21 @@ class SeenBatches(pl.Callback):  # type: ignore[misc]
 
 
 def trainer(callbacks: list[Any], epochs: int = 1, **kwargs: Any) -> Any:
-    return pl.Trainer(
-        max_epochs=epochs,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        precision=PRECISION_32,
-        accelerator="cpu",
-        devices=1,
-        **kwargs,
-    )
+    """A quiet one-device CPU trainer (no logger, checkpoints, progress bar, summary or sanity check) for the
+    tests; ``kwargs`` add or override Trainer arguments."""
+    options: dict[str, Any] = {
+        "max_epochs": epochs,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "precision": PRECISION_32,
+        "accelerator": "cpu",
+        "devices": 1,
+    }
+    options.update(kwargs)
+    return pl.Trainer(callbacks=callbacks, **options)
 
 
 def schedule(probe_samples: str, **search: Any) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from retune.search.largest import SearchPlan
 from retune.search.predicted import Prediction, predict_largest, run_predicted_search
 from tests.helpers.bucket_data import BucketModel
 from tests.helpers.lightning_ns import pl
+from tests.helpers.varlen import trainer as quiet_trainer
 
 MiB = 1 << 20
 
@@ -151,18 +152,7 @@ def _schedule(mode: str, predict: str, steps: int = 2, **search: Any) -> dict[st
 
 def _fit(schedule: dict[str, Any] | None, model: WideMLP, epochs: int = 1) -> ScheduledBatchSizeFinder | None:
     finder = None if schedule is None else ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
-    trainer = pl.Trainer(
-        max_epochs=epochs,
-        callbacks=[] if finder is None else [finder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_train_batches=2,
-        accelerator="cpu",
-        devices=1,
-    )
-    trainer.fit(model)
+    quiet_trainer([] if finder is None else [finder], epochs, limit_train_batches=2).fit(model)
     return finder
 
 
@@ -311,18 +301,7 @@ def test_throughput_times_only_sizes_up_to_the_verified_prediction() -> None:
         clock = FakeClock()
         schedule = _schedule("binsearch", predict, objective="throughput")
         finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False, clock=clock)
-        trainer = pl.Trainer(
-            max_epochs=1,
-            callbacks=[finder],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_train_batches=2,
-            accelerator="cpu",
-            devices=1,
-        )
-        trainer.fit(_TimedMLP(clock, times))
+        quiet_trainer([finder], limit_train_batches=2).fit(_TimedMLP(clock, times))
         events[predict] = finder.history[0]
     off, auto = events["off"], events["auto"]
     assert auto.prediction == "predicted" and auto.objective == "throughput"

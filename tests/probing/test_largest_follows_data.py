@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import pairwise
-from typing import Any
 
 import pytest
 import torch
@@ -114,13 +113,7 @@ def test_a_rebuilt_longer_dataset_is_searched_again_at_the_epoch_it_arrives() ->
     seed(0)
     lengths = long_tail_lengths(N, tail=0.05)
 
-    class Rebuilt(BucketModel):
-        def train_dataloader(self) -> Any:
-            epoch = self.trainer.current_epoch
-            self.data = Curriculum(lengths, max_len=64 if epoch < 2 else 256)  # a new object every epoch
-            return super().train_dataloader()
-
-    model = Rebuilt(Curriculum(lengths, 64))
+    model = bucket_data.RebuiltCurriculum(lengths, at=2, before=64, after=256)  # a new dataset object every epoch
     finder, peaks = _finder(), StepPeaks()
     bucket_data.trainer([peaks, finder], epochs=3, reload_dataloaders_every_n_epochs=1).fit(model)
     assert [(e.epoch, e.trigger) for e in finder.history] == [(0, "fit_start"), (2, "data_changed")]
