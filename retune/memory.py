@@ -30,7 +30,7 @@ import dataclasses
 import inspect
 import os
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import TracebackType
 from typing import Any
@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from retune.allocator import MemoryStats, stats_for
+from retune.distributed.fsdp2 import unsharded_storages
 from retune.distributed.local_shards import local
 
 
@@ -68,6 +69,8 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         device_type: the device type whose tensors count: ``"cpu"`` for a probe (host memory; a device's
             allocator keeps its own statistics), the module's device type for a fake-tensor trace
             (``retune.prediction``).
+        resized: storages resized in place outside the dispatcher, ``{key: bytes now}``, read at every operator
+            (FSDP2's gathered parameters: ``retune.distributed.fsdp2.unsharded_storages``); None: none.
 
     Example:
         >>> with CpuPeakTracker() as tracker:
@@ -79,11 +82,15 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         (8000000, 6000000)
     """
 
-    def __init__(self, device_type: str = "cpu") -> None:
+    def __init__(self, device_type: str = "cpu", resized: Callable[[], dict[int, int]] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.device_type = device_type
         """The tensors counted: a probe counts host memory (a device's allocator keeps its own statistics); a
         fake-tensor trace (``retune.prediction``) counts the fakes on the module's device."""
+        self.resized = resized
+        """Storages resized in place outside the dispatcher (FSDP2's unsharded parameters:
+        ``retune.distributed.fsdp2.unsharded_storages``): their size now, by key, read at every operator and
+        counted with the live bytes, never as a new storage."""
         self.live_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}
@@ -125,9 +132,14 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for leaf in tree_leaves((args, kwargs or {}))
             if isinstance(leaf, torch.Tensor) and _device_type(leaf) == kind
         }
+        resized = self.resized() if self.resized is not None else {}
         for leaf in tree_leaves(out):
             if isinstance(leaf, torch.Tensor) and _device_type(leaf) == kind:
-                self._track(local(leaf), inputs)  # a sharded (DTensor) result: its local shard
+                self._track(local(leaf), inputs | resized.keys())  # a sharded (DTensor) result: its local shard
+        if resized:
+            for key in resized.keys() & self._live.keys():  # counted when created; its size is read from now on
+                self.live_bytes -= self._live.pop(key)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes + sum(resized.values()))
         return out
 
     def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
@@ -389,7 +401,7 @@ def measure_peak(
         return
     if device.type == "cpu":
         base = resident_bytes(module, list(optimizers))
-        tracker = CpuPeakTracker()
+        tracker = CpuPeakTracker(resized=unsharded_storages(module))
         try:
             with tracker:
                 yield reading

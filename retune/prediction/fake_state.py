@@ -18,19 +18,26 @@ miss all three for optimizers it does not list. Scalar state (Adam's ``step``) i
 *constant* holding a private copy of its value, because ``step`` reads it back with ``.item()``,
 which a fake tensor without a value refuses; a copy, because the fake mode computes in place on a
 constant's value.
+
+Under FSDP2 the parameters and the optimizer state are ``DTensor`` shards; their fakes are plain tensors of
+the *whole* shape (``DTensor.shape``), so the traced module computes as FSDP2 computes each module between
+its all-gather and its reshard (:func:`retune.distributed.fsdp2.hooks_removed` keeps FSDP2's hooks out of the
+trace; :class:`~retune.distributed.fsdp2.ShardAccount` turns the whole state's bytes into a rank's).
 """
 
 from __future__ import annotations
 
 import copy
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from retune.distributed.local_shards import is_sharded
 
 __all__ = ["FakeTrainingState", "fake_tensor", "fake_training_state", "swapped_in"]
 
@@ -46,7 +53,12 @@ class FakeTrainingState:
 
 
 def fake_tensor(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
-    """A fake of ``tensor``; a one-element CPU tensor is a constant over a private copy of its value."""
+    """A fake of ``tensor``; a one-element CPU tensor is a constant over a private copy of its value; an FSDP2
+    shard a plain fake of the whole tensor."""
+    if is_sharded(tensor):  # an FSDP2 shard: a plain fake of the whole tensor (see the module doc)
+        with mode:
+            whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        return whole.requires_grad_(tensor.requires_grad)
     if tensor.numel() <= 1 and tensor.device.type == "cpu":
         # a scalar the optimizer reads back with .item(): a constant, over a copy of its value
         converter = mode.fake_tensor_converter
@@ -58,24 +70,23 @@ def fake_training_state(
     mode: FakeTensorMode, module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
 ) -> FakeTrainingState:
     """Fakes for ``module``'s parameters and buffers and clones of ``optimizers`` over them (see module doc)."""
-    parameters: dict[str, torch.Tensor] = {
-        name: mode.from_tensor(p) for name, p in module.named_parameters(remove_duplicate=False)
-    }
-    buffers: dict[str, torch.Tensor] = {
-        name: mode.from_tensor(b) for name, b in module.named_buffers(remove_duplicate=False) if b is not None
-    }
-    return FakeTrainingState(parameters, buffers, [_fake_optimizer(mode, opt) for opt in optimizers])
+    fakes: dict[int, torch.Tensor] = {}  # one fake per real tensor: tied names, and the optimizers' references
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in fakes:
+            fakes[id(tensor)] = mode.from_tensor(tensor) if not is_sharded(tensor) else fake_tensor(mode, tensor)
+        return fakes[id(tensor)]
+
+    parameters = {name: fake(p) for name, p in module.named_parameters(remove_duplicate=False)}
+    buffers = {name: fake(b) for name, b in module.named_buffers(remove_duplicate=False) if b is not None}
+    return FakeTrainingState(parameters, buffers, [_fake_optimizer(mode, opt, fake) for opt in optimizers])
 
 
-def _fake_optimizer(mode: FakeTensorMode, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def _fake_optimizer(
+    mode: FakeTensorMode, optimizer: torch.optim.Optimizer, fake_param: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.optim.Optimizer:
     clone = object.__new__(type(optimizer))
     clone.__dict__.update(optimizer.__dict__)
-    fakes: dict[int, torch.Tensor] = {}
-
-    def fake_param(param: torch.Tensor) -> torch.Tensor:
-        if id(param) not in fakes:
-            fakes[id(param)] = mode.from_tensor(param)  # memoised: the module's fake of the same parameter
-        return fakes[id(param)]
 
     clone.param_groups = [
         {**group, "params": [fake_param(p) for p in group["params"]]} for group in optimizer.param_groups

@@ -27,6 +27,12 @@ reuse it (``optimizer=``): it runs the closure (forward and backward) and skips 
 then the live bytes at its start plus the phase's measured extra. The update is about a third of a traced
 step of a small transformer with Adam, and a search traces several sizes of one state.
 
+Under FSDP2 the trace is of the plain module on the rank's batch, with whole-tensor fakes of the shards
+(:mod:`~retune.prediction.fake_state`) and FSDP2's hooks out of the way
+(:func:`retune.distributed.fsdp2.hooks_removed`): no collective runs, the activations are what FSDP2's
+step computes, and the whole state's bytes are turned into the rank's by the caller
+(:class:`retune.distributed.fsdp2.ShardAccount`).
+
 Nothing of the run changes: the real parameters, gradients, buffers, optimizer state and the
 trainer's optimizers are never written (the fakes stand in for them and the real objects are put
 back), every module's train/eval flag and the global RNGs (Python, NumPy, torch, CUDA) are put back,
@@ -59,6 +65,7 @@ from torch._subclasses.fake_tensor import (
 
 from retune.compat.fake_trace import logging_silenced, optimizers_replaced
 from retune.compat.stage_steps import hooks_isolated, training_step
+from retune.distributed.fsdp2 import hooks_removed
 from retune.memory import CpuPeakTracker, has_optimizer_state, resident_bytes, tensor_bytes
 from retune.prediction.fake_batch import fake_batch
 from retune.prediction.fake_state import fake_training_state, swapped_in
@@ -97,6 +104,12 @@ class StepTrace:
     optimizer: OptimizerPhase | None = None
     """The update's phase, as measured (or reused: ``trace_step(optimizer=...)``); None when no closure-driven
     update was seen (the step called no optimizer's ``step``)."""
+    compute_bytes: int = 0
+    """``resident_bytes`` plus the peak outside the optimizer update (forward and backward)."""
+    update_start_bytes: int = 0
+    """``resident_bytes`` plus what was alive when the update started (gradients, what the step kept); 0 when no
+    update was seen. With :attr:`compute_bytes` and the update's phase, what an account of a sharded step needs:
+    FSDP2 holds different things in the two (:mod:`retune.prediction.sharded`)."""
 
     @property
     def steady_bytes(self) -> int:
@@ -148,7 +161,7 @@ def trace_step(
             mode = FakeTensorMode()  # real tensors reaching an op raise: nothing real can be written
             state = fake_training_state(mode, module, optimizers)
             fake = fake_batch(batch, size, mode, device)
-            with swapped_in(module, state), mode:
+            with swapped_in(module, state), hooks_removed(module), mode:
                 resident = resident_bytes(module, state.optimizers)
                 batch_bytes = tensor_bytes(fake)
                 with CpuPeakTracker(_device_type(module, device)) as tracker:
@@ -159,12 +172,15 @@ def trace_step(
                         step(fake, state.optimizers)
                 created = max(0, resident_bytes(module, state.optimizers) - resident)
             phase = phases.phase(created)
-            peak = resident + max(tracker.peak_bytes, phases.skipped_peak)
+            compute = resident + max(phases.compute_peak, tracker.peak_bytes)
+            peak = max(compute, resident + max(phases.update_peak, phases.skipped_peak))
             if reuse is not None and phase is not None:
                 created = phase.created_bytes
     except Exception as error:  # every failure of the trace is a "cannot predict"
         return cannot_predict(error)
-    return StepTrace(size, peak, resident, count, time.perf_counter() - started, created, batch_bytes, phase)
+    update_start = resident + phases.update_start if phase is not None else 0
+    seconds = time.perf_counter() - started
+    return StepTrace(size, peak, resident, count, seconds, created, batch_bytes, phase, compute, update_start)
 
 
 class _Phases:
@@ -176,6 +192,9 @@ class _Phases:
         self.tracker, self.reuse = tracker, reuse
         self.extra: int | None = None
         self.skipped_peak = 0
+        self.compute_peak = 0  # the tracker's peak outside the updates (forward and backward)
+        self.update_start = 0  # the live bytes when an update started
+        self.update_peak = 0  # the live bytes' peak during a measured update
 
     def wrap(self, optimizer: torch.optim.Optimizer) -> None:
         original = optimizer.step
@@ -188,23 +207,30 @@ class _Phases:
                     with torch.enable_grad():
                         loss = closure()
                 start = tracker.live_bytes
+                self._started(start)
                 self.skipped_peak = max(self.skipped_peak, start + self.reuse.extra_bytes)
                 self.extra = self.reuse.extra_bytes
                 return loss
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            before, start = tracker.peak_bytes, tracker.live_bytes
+            start = tracker.live_bytes
+            self._started(start)
             tracker.peak_bytes = start  # the update's own peak, from here
             try:
                 done: Any = lambda: loss  # noqa: E731  # the closure already ran: the update sees its loss
                 original(done, **kwargs) if closure is not None else original(**kwargs)
             finally:
                 self.extra = max(self.extra or 0, tracker.peak_bytes - start)
-                tracker.peak_bytes = max(before, tracker.peak_bytes)
+                self.update_peak = max(self.update_peak, tracker.peak_bytes)
+                tracker.peak_bytes = tracker.live_bytes  # a later step's forward and backward, from here
             return loss
 
         optimizer.step = step  # type: ignore[method-assign]
+
+    def _started(self, live: int) -> None:
+        self.compute_peak = max(self.compute_peak, self.tracker.peak_bytes)
+        self.update_start = max(self.update_start, live)
 
     def phase(self, created: int) -> OptimizerPhase | None:
         if self.extra is None:

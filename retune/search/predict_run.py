@@ -17,9 +17,13 @@ worst batch): a trial then ends after its first step with the steady-state peak 
 optimizer state exists; on the CPU tracker, the step that creates it, counted with the state), instead
 of ``steps_per_trial`` steps.
 
-Where it cannot predict (no limit to predict against, an evaluation stage, FSDP2, a step that fails on
-fake tensors, a torch without fake tensors), :func:`why_not_predict` or the trace says why, and the
-caller searches as if ``predict`` were ``off``.
+Under FSDP2 each rank traces the plain module on its batch (:mod:`retune.prediction.trace`) and counts its
+shards of the state in place of the whole (:class:`retune.distributed.fsdp2.ShardAccount`): what grows with
+the batch is traced, what does not is the rank's.
+
+Where it cannot predict (no limit to predict against, an evaluation stage, FSDP2 with a mixed-precision
+policy, a step that fails on fake tensors, a torch without fake tensors), :func:`why_not_predict` or the
+trace says why, and the caller searches as if ``predict`` were ``off``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from retune import compat
+from retune.distributed.fsdp2 import ShardAccount, why_not_traced
+from retune.memory import resident_bytes
 from retune.probing.prober import Prober
 from retune.search.largest import SearchPlan
 from retune.search.predicted import PredictedResult, predict_largest, run_predicted_search
@@ -53,7 +59,9 @@ def why_not_predict(trainer: Any, stage: str, limit: int | None) -> str | None:
     if stage != "train":
         return f"the {stage} stage is probed: a prediction traces training steps"
     if compat.is_sharded(trainer):
-        return "FSDP2 shards the state per rank, which the trace does not model yet (FSDPMemTracker is not wired in)"
+        reason = why_not_traced(trainer.lightning_module)
+        if reason is not None:
+            return reason
     try:
         import retune.prediction.trace  # noqa: F401  # fake tensors: torch._subclasses.fake_tensor
     except ImportError as error:  # a torch without the fake-tensor API this build uses
@@ -85,6 +93,7 @@ class Tracer:
     differs). Share one between tracers of one search (several buckets) with ``Tracer(..., optimizer=...)``."""
 
     def __call__(self, size: int) -> float:
+        from retune.prediction.sharded import rank_peak
         from retune.prediction.trace import CannotPredict, trace_training_step
 
         started = time.perf_counter()
@@ -99,7 +108,13 @@ class Tracer:
             fixed = float(result.resident_bytes + result.created_bytes + grads)
             # a probe's peak holds its batch: on a CPU the tracker's count plus the loader's batch, on a device the
             # allocator's, after the batch moved there inside the measured block
-            local = (float(result.steady_bytes + result.batch_bytes), fixed)
+            peak = float(result.steady_bytes + result.batch_bytes)
+            if compat.is_sharded(self.trainer):  # the trace counted the whole state: this rank holds shards
+                optimizers = list(self.trainer.optimizers)
+                account = ShardAccount.of(self.pl_module, optimizers, resident_bytes(self.pl_module, optimizers))
+                peak = rank_peak(result, account, grads) + result.batch_bytes
+                fixed = float(account.fixed(result.created_bytes))
+            local = (peak, fixed)
         gathered = compat.all_gather_object(self.trainer, local)
         reasons = [value for value in gathered if isinstance(value, str)]
         if reasons:

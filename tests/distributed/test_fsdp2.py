@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "fsdp2" / "run_fsdp2.py"
 TIMEOUT_S = 240  # below the suite's per-test timeout, so a hang fails the tests with the runs' output
 # all run at once in the module's fixture (one batch of 2-rank subprocesses)
-SCENARIOS = ("forward", "backward", "unfreeze", "features", "error", "fts", "stages", "clip")
+SCENARIOS = ("forward", "backward", "unfreeze", "features", "error", "fts", "stages", "clip", "predict", "predict_off")
 FTS_TRANSITIONS = [2, 4]  # tests/fts/epoch_driven.yaml: phase 1 at epoch 2, phase 2 at epoch 4
 
 
@@ -55,8 +55,9 @@ def _ranks(run: dict[str, Any], clean: bool = True) -> tuple[dict[str, Any], dic
 
 
 def _decisions(rank: dict[str, Any]) -> list[dict[str, Any]]:
-    """A rank's searches without their wall-clock durations: what every rank must agree on."""
-    return [{k: v for k, v in event.items() if k != "duration_s"} for event in rank["history"]]
+    """A rank's searches without their wall-clock durations (the search's, its traces'): what every rank must
+    agree on."""
+    return [{k: v for k, v in event.items() if k not in ("duration_s", "prediction_s")} for event in rank["history"]]
 
 
 @pytest.mark.parametrize("where", ["forward", "backward"])
@@ -113,6 +114,59 @@ def test_a_tuned_run_trains_the_same_weights_as_one_without_retune_at_the_same_s
             for a, b in zip(pa, pb, strict=True)
         )
         assert diff <= 1e-5
+
+
+def _verified(event: dict[str, Any]) -> bool:
+    """The size the search kept is at most one a real probe of this search fit at."""
+    return any(fits and size >= event["batch_size_after"] for size, fits in event["trials"])
+
+
+def test_predict_under_fsdp2_traces_each_ranks_step_and_verifies_with_fewer_probes(runs: dict[str, Any]) -> None:
+    """``search.predict: auto`` under FSDP2 (2 ranks, AdamW, a 160 KiB budget on the CPU tracker, the backbone
+    unfrozen at epoch 1): both searches are predicted (each rank traces the plain module on its batch and counts
+    its shards: retune.prediction.sharded), the ranks agree on every decision, every kept size was verified by a
+    real probe within the budget, the sizes are the ones real probes alone find (within 5%), with 2-3 real probes
+    per search where ``predict: off`` needs 7-13, and every verified prediction is within 5% of the peak."""
+    rank0, rank1 = _ranks(runs["predict"])
+    off, _ = _ranks(runs["predict_off"])
+    assert _decisions(rank0) == _decisions(rank1)
+    assert [e["trigger"] for e in rank0["history"]] == ["fit_start", "trainable_params_changed"]
+    for event, probed in zip(rank0["history"], off["history"], strict=True):
+        assert event["prediction"] == "predicted" and event["note"] == "", event["note"]
+        assert probed["prediction"] == "", probed
+        assert _verified(event)
+        peaks = [p for p, (_, fits) in zip(event["peak_bytes"], event["trials"], strict=True) if fits]
+        assert max(peaks) <= event["budget_bytes"]
+        assert abs(event["batch_size_after"] - probed["batch_size_after"]) <= 0.05 * probed["batch_size_after"]
+        assert len(event["trials"]) <= 3 < len(probed["trials"])
+        for predicted, measured in zip(event["predicted_bytes"], event["peak_bytes"], strict=True):
+            assert measured is not None and abs(predicted - measured) <= 0.05 * measured
+    frozen, unfrozen = (e["batch_size_after"] for e in rank0["history"])
+    assert unfrozen < frozen
+
+
+@pytest.fixture(scope="module")
+def predict_reference(runs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The predict run again without retune, at the sizes it trained each epoch at."""
+    rank0, _ = _ranks(runs["predict"])
+    frozen, unfrozen = (e["batch_size_after"] for e in rank0["history"])
+    sizes = f"{frozen},{unfrozen},{unfrozen}"
+    out = tmp_path_factory.mktemp("fsdp2_predict_reference")
+    args = {"predict_reference": ["predict_reference", "{out}", sizes]}
+    return _collect(run_rank_scripts(args, SCRIPT, out, TIMEOUT_S))["predict_reference"]
+
+
+def test_a_predicted_run_under_fsdp2_trains_the_same_shards_as_one_without_retune(
+    runs: dict[str, Any], predict_reference: dict[str, Any]
+) -> None:
+    """No trace of a prediction: the traces swapped fakes into the sharded modules and took FSDP2's hooks out; the
+    run trains the same shards, on every rank, as one that never searched, at the same sizes."""
+    tuned, plain = _ranks(runs["predict"]), _ranks(predict_reference)
+    assert tuned[0]["batch_sizes_seen"] == plain[0]["batch_sizes_seen"]
+    for rank in (0, 1):
+        assert tuned[rank]["global_step"] == plain[rank]["global_step"]
+        assert tuned[rank]["shards"] == plain[rank]["shards"]
+        assert tuned[rank]["sharded"] == ["DTensor"] * len(tuned[rank]["sharded"])
 
 
 def test_probe_stages_modes_policies_and_report_under_fsdp2(runs: dict[str, Any]) -> None:

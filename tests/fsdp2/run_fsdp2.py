@@ -20,6 +20,11 @@ Scenarios (argv[1]):
   stages     fit, then trainer.test and trainer.predict with `stages: [train, test, predict]`; rank 1
              has less memory for evaluation: the oracle raises torch.OutOfMemoryError in the middle of
              its eval forward (between two sharded layers) above EVAL_CAPACITY[1]
+  predict    search.predict auto under a memory budget on the CPU tracker (no oracle): the unsharded fake
+             trace of each rank's step and its per-rank account of the shards; BackboneFinetuning unfreezes at
+             epoch 1 (AdamW): predicted at fit start and at the re-tune
+  predict_off           the same with predict off: the sizes real probes alone find
+  predict_reference     no retune; the epochs run at the sizes given in argv[3]: the predict run's exactness baseline
   clip       gradient_clip_val=1.0 (clip_grad_norm_ over DTensor gradients: a DTensor all-reduce of the
              norm); rank 1's oracle raises torch.OutOfMemoryError in on_before_optimizer_step, after
              backward and just before the clip's all-reduce
@@ -170,7 +175,16 @@ class ShardedModel(FineTuneModel):
         return DataLoader(self.dataset, batch_size=self.val_batch_size)
 
 
+PREDICT_BUDGET = "160KiB"
+
+
 def schedule_for(scenario: str) -> Any:
+    if scenario in ("predict", "predict_off"):
+        return {
+            "search": {"predict": "auto" if scenario == "predict" else "off", "max_val": 512},
+            "memory": {"budget": PREDICT_BUDGET},
+            "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],
+        }
     if scenario in ("unfreeze", "reference"):
         return "schedules/freeze_unfreeze.yaml"
     if scenario == "features":
@@ -215,7 +229,9 @@ def main() -> None:
     sizes = [int(s) for s in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
     torch.set_num_threads(1)
     pl.seed_everything(0)
-    unfreeze = scenario in ("unfreeze", "reference", "features")
+    predicting = scenario.startswith("predict")
+    reference = scenario in ("reference", "predict_reference")
+    unfreeze = scenario in ("unfreeze", "reference", "features") or predicting
     model = ShardedModel(
         scenario,
         sizes=sizes,
@@ -223,11 +239,11 @@ def main() -> None:
         # fts: 2048 samples per rank, more than the frozen phase fits, so every phase's maximum is the oracle's
         n=4096 if scenario == "fts" else 512,
         head_only_optimizer=unfreeze,
-        optimizer="adamw" if scenario in ("unfreeze", "reference") else "sgd",
-        oracle=MemoryOracle() if scenario != "features" else UNLIMITED,
+        optimizer="adamw" if scenario in ("unfreeze", "reference") or predicting else "sgd",
+        oracle=UNLIMITED if scenario == "features" or predicting else MemoryOracle(),
     )
     finder = ScheduledBatchSizeFinder(schedule_for(scenario), verbose=False, out_dir=out / "report")
-    cbs: list[Any] = [] if scenario == "reference" else [finder]
+    cbs: list[Any] = [] if reference else [finder]
     if unfreeze:
         cbs.append(callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=1))
     fts = None
@@ -248,7 +264,7 @@ def main() -> None:
         enable_model_summary=False,
         limit_train_batches=4,
         limit_val_batches=2 if scenario == "features" else 0,
-        reload_dataloaders_every_n_epochs=1 if scenario == "reference" else 0,
+        reload_dataloaders_every_n_epochs=1 if reference else 0,
         gradient_clip_val=1.0 if scenario == "clip" else None,
         default_root_dir=str(out),
     )

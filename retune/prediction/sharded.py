@@ -1,0 +1,54 @@
+"""A rank's peak under FSDP2 from a trace of the unsharded step. Pure arithmetic over the trace's numbers.
+
+The trace (:func:`retune.prediction.trace.trace_step`) runs the plain module on the rank's batch with whole
+parameters, gradients and optimizer state (FSDP2's hooks are out of the way), so what grows with the batch
+(activations, their temporaries) is what the rank computes, and what does not is counted whole. A rank's
+step peaks at one of two moments, which hold different state:
+
+- **forward and backward** (:attr:`~retune.prediction.trace.StepTrace.compute_bytes`): the rank's shards of
+  the parameters and state instead of the whole ones, plus the groups FSDP2 has gathered whole at that point
+  (``gathered`` of :class:`retune.distributed.fsdp2.ShardAccount`), plus this rank's part of the state a first update
+  creates (alive in every later step, as :attr:`~retune.prediction.trace.StepTrace.steady_bytes` counts it);
+- **the optimizer update** (:attr:`~retune.prediction.trace.StepTrace.update_start_bytes` and the update's
+  phase): every group resharded, the gradients reduce-scattered to shards, and the update's temporaries and
+  new state this rank's fraction of the whole.
+
+The larger of the two is the rank's peak. What stays an estimate is what FSDP2 has gathered at the compute
+peak; the verifying probes measure the truth, and their calibration corrects a constant error.
+
+>>> from retune.distributed.fsdp2 import ShardAccount
+>>> from retune.prediction.trace import OptimizerPhase, StepTrace
+>>> trace = StepTrace(8, peak_bytes=1900, resident_bytes=1000, steps=1, seconds=0.0, created_bytes=400,
+...                   optimizer=OptimizerPhase(extra_bytes=600, created_bytes=400),
+...                   compute_bytes=1900, update_start_bytes=1300)
+>>> account = ShardAccount(resident=500, gradients=150, fraction=0.5, gathered=120)
+>>> rank_peak(trace, account, whole_gradients=300)   # compute: 900 + 500 + 120 + 200; update: 0 + 500 + 150 + 300
+1720.0
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from retune.distributed.fsdp2 import ShardAccount
+
+if TYPE_CHECKING:  # the trace imports fake tensors, which an old torch lacks: this module stays importable
+    from retune.prediction.trace import StepTrace
+
+__all__ = ["rank_peak"]
+
+
+def rank_peak(trace: StepTrace, account: ShardAccount, whole_gradients: int) -> float:
+    """The rank's peak bytes of the traced step (the module doc's two moments), without the batch's own bytes.
+
+    ``whole_gradients``: the bytes of every trainable parameter's whole gradient, which the trace holds at the
+    update's start and the rank holds as shards.
+    """
+    fraction = account.fraction
+    created = trace.created_bytes * fraction if trace.steps == 1 else 0.0
+    compute = trace.compute_bytes - trace.resident_bytes + account.resident + account.gathered + created
+    if trace.optimizer is None:
+        return float(compute)
+    kept = trace.update_start_bytes - trace.resident_bytes - whole_gradients  # what else the step kept alive
+    update = max(0, kept) + account.resident + account.gradients + trace.optimizer.extra_bytes * fraction
+    return float(max(compute, update))
