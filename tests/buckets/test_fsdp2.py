@@ -40,7 +40,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
 
 
 def _decisions(rank: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in event.items() if k != "duration_s"} for event in rank["history"]]
+    return [{k: v for k, v in event.items() if k not in ("duration_s", "prediction_s")} for event in rank["history"]]
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
@@ -78,3 +78,37 @@ def test_every_real_step_of_each_rank_stays_within_the_budget(
 ) -> None:
     budget = parse_byte_size(bucket_data.BUDGET)
     assert all(max(r["peaks"]) <= budget for r in runs[objective]), [max(r["peaks"]) / budget for r in runs[objective]]
+
+
+@pytest.fixture(scope="module")
+def predicted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The ``largest`` run with ``search.predict: auto``, after the others (run beside them, two more processes on
+    a 2-core machine disturb the throughput run's timing trials)."""
+    root = tmp_path_factory.mktemp("fsdp2_buckets_predict")
+    code, output, out = run_rank_scripts({"predict": ["{out}", "largest", "predict"]}, SCRIPT, root, 240)["predict"]
+    assert code == 0, output[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_predicted_buckets_under_fsdp2_are_verified_agreed_and_within_the_budget(
+    runs: dict[str, list[dict[str, Any]]], predicted: list[dict[str, Any]]
+) -> None:
+    """``search.predict: auto`` with buckets under FSDP2: each rank traces the plain module on its bucket's worst
+    batch and counts its shards (retune.prediction.sharded); both searches are predicted, the ranks agree on
+    every trial and size, every bucket's size was verified by a real probe of that bucket that fit, with fewer
+    real probes than the same search without predict, and every real step of each rank stays within the
+    budget (the test above, for this run)."""
+    ranks, probed = predicted, runs["largest"][0]["history"]
+    assert _decisions(ranks[0]) == _decisions(ranks[1])
+    for event, off in zip(ranks[0]["history"], probed, strict=True):
+        assert event["prediction"] == "predicted" and event["note"] == "", event["note"]
+        for bucket, size in enumerate(event["bucket_sizes"]):
+            fitted = [
+                s for (s, fits), b in zip(event["trials"], event["trial_buckets"], strict=True) if b == bucket and fits
+            ]
+            assert fitted and size <= max(fitted), (bucket, size, event["trials"], event["trial_buckets"])
+        assert len(event["trials"]) < len(off["trials"])
+    budget = parse_byte_size(bucket_data.BUDGET)
+    assert all(max(r["peaks"]) <= budget for r in ranks), [max(r["peaks"]) / budget for r in ranks]
+    for epoch in (0, 1):
+        bucket_data.check_rank_steps(ranks, epoch, N)

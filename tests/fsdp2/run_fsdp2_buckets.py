@@ -4,7 +4,8 @@ writes what it saw as JSON.
 Run by tests/buckets/test_fsdp2.py in a subprocess with a timeout. The model and data are
 run_ddp_buckets.py's (a long-tailed token dataset, the backbone frozen for the first epoch), sharded
 with ``fully_shard`` in ``configure_model``; argv[2] is the search objective (``largest`` or
-``throughput``). Each rank records every real batch and measures every real step as a probe is measured.
+``throughput``); argv[3] ``predict`` turns on ``search.predict: auto``. Each rank records every real batch
+and measures every real step as a probe is measured.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main() -> None:
     pl.seed_everything(0)
     model = ShardedBucketModel(bucket_data.IndexedTokens(bucket_data.long_tail_lengths(401)), frozen=True)
     strategy = pl.strategies.ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-    run(Path(sys.argv[1]), model, objective=sys.argv[2], strategy=strategy)
+    search = {"predict": "auto"} if sys.argv[3:] == ["predict"] else None
+    run(Path(sys.argv[1]), model, objective=sys.argv[2], strategy=strategy, search=search)
 
 
 if __name__ == "__main__":
