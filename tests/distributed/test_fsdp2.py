@@ -90,14 +90,19 @@ def test_retune_after_an_unfreeze_lowers_the_size(runs: dict[str, Any]) -> None:
     assert rank0["batch_sizes_seen"][-1] <= unfrozen and max(rank0["batch_sizes_seen"][-3:]) == unfrozen
 
 
+def _without_retune(tuned: dict[str, Any], scenario: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``scenario`` (a run without retune) at the sizes the ``tuned`` run trained each of its 3 epochs at."""
+    rank0, _ = _ranks(tuned)
+    frozen, unfrozen = (e["batch_size_after"] for e in rank0["history"])
+    out = tmp_path_factory.mktemp(f"fsdp2_{scenario}")
+    args = {scenario: [scenario, "{out}", f"{frozen},{unfrozen},{unfrozen}"]}
+    return _collect(run_rank_scripts(args, SCRIPT, out, TIMEOUT_S))[scenario]
+
+
 @pytest.fixture(scope="module")
 def reference(runs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The unfreeze run again without retune, at the sizes the tuned run trained each epoch at."""
-    rank0, _ = _ranks(runs["unfreeze"])
-    frozen, unfrozen = (e["batch_size_after"] for e in rank0["history"])
-    sizes = f"{frozen},{unfrozen},{unfrozen}"
-    out = tmp_path_factory.mktemp("fsdp2_reference")
-    return _collect(run_rank_scripts({"reference": ["reference", "{out}", sizes]}, SCRIPT, out, TIMEOUT_S))["reference"]
+    return _without_retune(runs["unfreeze"], "reference", tmp_path_factory)
 
 
 def test_a_tuned_run_trains_the_same_weights_as_one_without_retune_at_the_same_sizes(
@@ -148,12 +153,7 @@ def test_predict_under_fsdp2_traces_each_ranks_step_and_verifies_with_fewer_prob
 @pytest.fixture(scope="module")
 def predict_reference(runs: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The predict run again without retune, at the sizes it trained each epoch at."""
-    rank0, _ = _ranks(runs["predict"])
-    frozen, unfrozen = (e["batch_size_after"] for e in rank0["history"])
-    sizes = f"{frozen},{unfrozen},{unfrozen}"
-    out = tmp_path_factory.mktemp("fsdp2_predict_reference")
-    args = {"predict_reference": ["predict_reference", "{out}", sizes]}
-    return _collect(run_rank_scripts(args, SCRIPT, out, TIMEOUT_S))["predict_reference"]
+    return _without_retune(runs["predict"], "predict_reference", tmp_path_factory)
 
 
 def test_a_predicted_run_under_fsdp2_trains_the_same_shards_as_one_without_retune(
