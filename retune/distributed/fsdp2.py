@@ -91,14 +91,28 @@ class ShardedTrials:
             yield
 
 
-def _param_groups(sub: torch.nn.Module) -> list[Any]:
-    """The FSDP2 parameter groups of one sharded module (one, or several with a per-parameter mesh)."""
-    state = sub._get_fsdp_state()  # type: ignore[operator]
+def _states(module: torch.nn.Module) -> list[Any]:
+    """Every FSDP2 state under ``module``, once each (``fully_shard([a, b])`` gives two modules one state)."""
+    states: dict[int, Any] = {}
+    for sub in fsdp_modules(module):
+        state = sub._get_fsdp_state()  # type: ignore[operator]
+        states.setdefault(id(state), state)
+    return list(states.values())
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """The parameter groups of one FSDP2 state (one, or several with a per-parameter mesh)."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [] if group is None else [group]
     return list(groups)
+
+
+def _fsdp_params(module: torch.nn.Module) -> list[Any]:
+    return [
+        fp for state in _states(module) for group in _param_groups(state) for fp in getattr(group, "fsdp_params", ())
+    ]
 
 
 def unsharded_storages(module: torch.nn.Module) -> Callable[[], dict[int, int]] | None:
@@ -109,39 +123,57 @@ def unsharded_storages(module: torch.nn.Module) -> Callable[[], dict[int, int]] 
     (``UntypedStorage.resize_`` in ``alloc_storage``/``free_storage``), which no dispatch mode sees: a CPU
     tracker counted the storage whole on the step that created it (the first, lazily), freed or not, and
     never on the steps after, which reuse it. :class:`retune.memory.CpuPeakTracker` reads their size at every
-    operator instead."""
-    params = [
-        fsdp_param for sub in fsdp_modules(module) for group in _param_groups(sub) for fsdp_param in group.fsdp_params
-    ]
+    operator instead. The storages are looked up again only when FSDP2 has made new ones (its first
+    all-gather), so an operator pays one ``nbytes()`` per gathered storage."""
+    params = _fsdp_params(module)
     if not params:
         return None
+    found: list[Any] = []
+    made: list[int] = [-1]
+
+    def tensors(fsdp_param: Any) -> tuple[torch.Tensor, ...]:
+        return (*getattr(fsdp_param, "all_gather_outputs", ()), *getattr(fsdp_param, "_unsharded_inner_tensors", ()))
 
     def current() -> dict[int, int]:
-        sizes: dict[int, int] = {}
-        for fsdp_param in params:
-            for tensor in (*fsdp_param.all_gather_outputs, *getattr(fsdp_param, "_unsharded_inner_tensors", ())):
-                storage = tensor.untyped_storage()
-                sizes[storage._cdata] = storage.nbytes()
-        return sizes
+        count = sum(len(tensors(fsdp_param)) for fsdp_param in params)
+        if count != made[0]:
+            found[:] = list({id(s): s for fp in params for t in tensors(fp) for s in [t.untyped_storage()]}.values())
+            made[0] = count
+        return {storage._cdata: storage.nbytes() for storage in found}
 
     return current
 
 
 def why_not_traced(module: torch.nn.Module) -> str | None:
     """Why a fake trace of ``module``'s FSDP2 step (:func:`hooks_removed`) would not compute as the sharded step
-    does (None: it would). A ``MixedPrecisionPolicy`` casts the parameters at each all-gather and the gradients
-    at each reduce-scatter, which a trace of the plain module on its stored dtypes does not do."""
-    for sub in fsdp_modules(module):
-        policy = sub._get_fsdp_state()._mp_policy  # type: ignore[operator]
-        casts = {name: getattr(policy, name) for name in ("param_dtype", "reduce_dtype") if getattr(policy, name, None)}
-        stored = {p.dtype for p in sub.parameters()}
-        if any(dtype not in stored for dtype in casts.values()):
+    does (None: it would). A ``MixedPrecisionPolicy`` that casts (a parameter stored in another dtype than its
+    ``param_dtype``, gradients reduced in another dtype, outputs cast to ``output_dtype``) changes what each
+    collective and each module's compute hold, which a trace of the plain module on its stored dtypes does not
+    do. A torch whose FSDP2 keeps its forward hooks elsewhere cannot be traced either."""
+    for state in _states(module):
+        if not all(
+            hasattr(state, name) for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle", "_modules")
+        ):
+            return "this torch's FSDP2 keeps its forward hooks where retune does not look (no _pre_forward_hook_handle)"
+        policy = getattr(state, "_mp_policy", None)
+        dtypes = {p.dtype for fp in _fsdp_params_of(state) for p in [fp.sharded_param]}
+        casts = {
+            name: dtype
+            for name in ("param_dtype", "reduce_dtype", "output_dtype")
+            if (dtype := getattr(policy, name, None)) is not None and dtypes and dtypes != {dtype}
+        }
+        if casts:
             named = ", ".join(f"{name}={dtype}" for name, dtype in casts.items())
             return (
-                f"FSDP2 with a MixedPrecisionPolicy ({named}) casts parameters and gradients at each collective, "
-                "which the unsharded fake trace does not model"
+                f"FSDP2 with a MixedPrecisionPolicy ({named}) casts parameters, gradients or outputs that its "
+                f"parameters ({', '.join(sorted(str(d) for d in dtypes))}) are not, which the unsharded fake trace "
+                "does not model"
             )
     return None
+
+
+def _fsdp_params_of(state: Any) -> list[Any]:
+    return [fp for group in _param_groups(state) for fp in getattr(group, "fsdp_params", ())]
 
 
 def _hook_ids(handle: Any) -> set[int]:
@@ -156,25 +188,28 @@ def _hook_ids(handle: Any) -> set[int]:
 def hooks_removed(module: torch.nn.Module) -> Iterator[None]:
     """FSDP2's forward hooks off inside the block: every sharded module runs as the plain module it wraps, on
     whatever parameters are in its ``_parameters`` (a fake trace puts whole-tensor fakes there), with no
-    all-gather, no reduce-scatter and no FSDP2 state touched. Only FSDP2's own hooks are taken out; the
-    user's stay, and every hook table is back as it was, in its order, afterwards (no collective)."""
-    saved: list[tuple[dict[int, Any], dict[int, Any]]] = []
+    all-gather, no reduce-scatter and no FSDP2 state touched. Only FSDP2's own hooks are taken out, and only
+    they are put back afterwards, each in its place in its table (no collective); a hook the block adds or
+    removes stays added or removed."""
+    removed: list[tuple[dict[int, Any], list[int], dict[int, Any]]] = []
     try:
-        for sub in fsdp_modules(module):
-            state = sub._get_fsdp_state()  # type: ignore[operator]
+        for state in _states(module):
             ids = _hook_ids(state._pre_forward_hook_handle) | _hook_ids(state._post_forward_hook_handle)
-            owners = getattr(state, "_modules", None) or (sub,)  # torch < 2.6 keeps one module per state
-            for owner in owners:
+            for owner in getattr(state, "_modules", ()):
                 for table in (owner._forward_pre_hooks, owner._forward_hooks):
                     if ids & table.keys():
-                        saved.append((table, dict(table)))
-                        for key in ids & table.keys():
-                            del table[key]
+                        removed.append((table, list(table), {key: table.pop(key) for key in ids & table.keys()}))
         yield
     finally:
-        for table, items in reversed(saved):
+        for table, order, hooks in reversed(removed):
+            now = dict(table)
             table.clear()
-            table.update(items)
+            for key in order:  # the order on entry; what the block removed stays out
+                if key in hooks:
+                    table[key] = hooks[key]
+                elif key in now:
+                    table[key] = now.pop(key)
+            table.update(now)  # what the block added, after
 
 
 @dataclass(frozen=True)
@@ -186,11 +221,10 @@ class ShardAccount:
     module with its whole parameters), and the parameters, gradients and optimizer state whole. On a rank the
     parameters and optimizer state are shards (``resident``: read off the real shards), the gradients are
     shards once reduce-scattered (``gradients``), the state the first update creates is this rank's part of it
-    (``fraction`` of the whole), and, while a module computes, its parameters are gathered whole and the next
-    module's are being prefetched (``gathered``: the two largest groups' parameters). That last part is an
-    estimate of what is gathered at the step's peak (where backward starts, every activation alive: the last
-    group computing, the one before it prefetched; a group's whole gradients come later, when activations
-    have been freed); the verifying probes measure the truth and the calibration corrects the constant.
+    (``fraction`` of the whole), and, while a module computes, parameters are gathered whole (``gathered``):
+    every group that is not resharded after forward (the root, by default) stays gathered into backward, and of
+    the others the one computing and the one prefetched, taken as the two largest. That is an estimate; the
+    verifying probes measure the truth and the calibration corrects the constant.
     """
 
     resident: int
@@ -205,8 +239,15 @@ class ShardAccount:
         shards = sum(local(p).numel() for p in params)
         trainable = [p for p in params if p.requires_grad]
         gradients = sum(local(p).numel() * p.element_size() for p in trainable)
-        groups = sorted((_group_bytes(sub) for sub in fsdp_modules(module)), reverse=True)
-        return cls(resident, gradients, shards / whole if whole else 1.0, sum(groups[:2]))
+        kept, others = 0, []
+        for state in _states(module):
+            for group in _param_groups(state):
+                size = sum(_whole_bytes(fp.sharded_param) for fp in getattr(group, "fsdp_params", ()))
+                if getattr(group, "post_forward_mesh_info", True) is None:  # not resharded after forward
+                    kept += size
+                else:
+                    others.append(size)
+        return cls(resident, gradients, shards / whole if whole else 1.0, kept + sum(sorted(others)[-2:]))
 
     def fixed(self, created_whole: int) -> int:
         """The bytes of a rank's steady step that do not grow with the batch, given the optimizer state the
@@ -214,11 +255,9 @@ class ShardAccount:
         return self.resident + self.gradients + round(created_whole * self.fraction) + self.gathered
 
 
-def _group_bytes(sub: torch.nn.Module) -> int:
-    """The whole bytes of the parameters ``sub``'s FSDP2 group gathers: its own, less those of sharded modules
-    inside it."""
-    nested = {id(p) for inner in fsdp_modules(sub) if inner is not sub for p in inner.parameters()}
-    return sum(p.numel() * p.element_size() for p in sub.parameters() if id(p) not in nested and is_sharded(p))
+def _whole_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of the whole tensor a shard is part of (a ``DTensor``'s ``numel()`` is the whole one's)."""
+    return tensor.numel() * tensor.element_size() if is_sharded(tensor) else 0
 
 
 __all__ = [

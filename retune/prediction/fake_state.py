@@ -74,7 +74,12 @@ def fake_training_state(
 
     def fake(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in fakes:
-            fakes[id(tensor)] = mode.from_tensor(tensor) if not is_sharded(tensor) else fake_tensor(mode, tensor)
+            if not is_sharded(tensor):
+                fakes[id(tensor)] = mode.from_tensor(tensor)
+            elif isinstance(tensor, torch.nn.Parameter):  # a Parameter, as mode.from_tensor keeps one
+                fakes[id(tensor)] = torch.nn.Parameter(fake_tensor(mode, tensor), requires_grad=tensor.requires_grad)
+            else:
+                fakes[id(tensor)] = fake_tensor(mode, tensor)
         return fakes[id(tensor)]
 
     parameters = {name: fake(p) for name, p in module.named_parameters(remove_duplicate=False)}

@@ -105,7 +105,8 @@ class StepTrace:
     """The update's phase, as measured (or reused: ``trace_step(optimizer=...)``); None when no closure-driven
     update was seen (the step called no optimizer's ``step``)."""
     compute_bytes: int = 0
-    """``resident_bytes`` plus the peak outside the optimizer update (forward and backward)."""
+    """``resident_bytes`` plus the peak before the optimizer update started (forward and backward; with two
+    steps, the second's too, which holds the state the first created); without an update, the step's peak."""
     update_start_bytes: int = 0
     """``resident_bytes`` plus what was alive when the update started (gradients, what the step kept); 0 when no
     update was seen. With :attr:`compute_bytes` and the update's phase, what an account of a sharded step needs:
@@ -172,8 +173,9 @@ def trace_step(
                         step(fake, state.optimizers)
                 created = max(0, resident_bytes(module, state.optimizers) - resident)
             phase = phases.phase(created)
-            compute = resident + max(phases.compute_peak, tracker.peak_bytes)
-            peak = max(compute, resident + max(phases.update_peak, phases.skipped_peak))
+            tail = tracker.peak_bytes  # after the last update (the whole step where none ran)
+            compute = resident + (phases.compute_peak if phases.updates else tail)
+            peak = max(compute, resident + max(phases.update_peak, phases.skipped_peak, tail))
             if reuse is not None and phase is not None:
                 created = phase.created_bytes
     except Exception as error:  # every failure of the trace is a "cannot predict"
@@ -192,7 +194,8 @@ class _Phases:
         self.tracker, self.reuse = tracker, reuse
         self.extra: int | None = None
         self.skipped_peak = 0
-        self.compute_peak = 0  # the tracker's peak outside the updates (forward and backward)
+        self.updates = 0  # updates started (run or skipped)
+        self.compute_peak = 0  # the tracker's peak before each update (forward and backward)
         self.update_start = 0  # the live bytes when an update started
         self.update_peak = 0  # the live bytes' peak during a measured update
 
@@ -229,6 +232,7 @@ class _Phases:
         optimizer.step = step  # type: ignore[method-assign]
 
     def _started(self, live: int) -> None:
+        self.updates += 1
         self.compute_peak = max(self.compute_peak, self.tracker.peak_bytes)
         self.update_start = max(self.update_start, live)
 

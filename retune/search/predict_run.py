@@ -97,6 +97,10 @@ class Tracer:
         from retune.prediction.trace import CannotPredict, trace_training_step
 
         started = time.perf_counter()
+        account = None
+        if compat.is_sharded(self.trainer):  # the trace counts the whole state: this rank holds shards
+            optimizers = list(self.trainer.optimizers)
+            account = ShardAccount.of(self.pl_module, optimizers, resident_bytes(self.pl_module, optimizers))
         result = trace_training_step(self.trainer, self.pl_module, self.batch, size, steps=1, optimizer=self.optimizer)
         self.seconds += time.perf_counter() - started
         self.traces += 1
@@ -109,9 +113,7 @@ class Tracer:
             # a probe's peak holds its batch: on a CPU the tracker's count plus the loader's batch, on a device the
             # allocator's, after the batch moved there inside the measured block
             peak = float(result.steady_bytes + result.batch_bytes)
-            if compat.is_sharded(self.trainer):  # the trace counted the whole state: this rank holds shards
-                optimizers = list(self.trainer.optimizers)
-                account = ShardAccount.of(self.pl_module, optimizers, resident_bytes(self.pl_module, optimizers))
+            if account is not None:
                 peak = rank_peak(result, account, grads) + result.batch_bytes
                 fixed = float(account.fixed(result.created_bytes))
             local = (peak, fixed)

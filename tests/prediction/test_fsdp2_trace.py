@@ -7,7 +7,9 @@ No out-of-memory error is involved: every peak here is a real CPU tracker count 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from retune.distributed.local_shards import local
 from retune.memory import CpuPeakTracker, measure_peak, resident_bytes
 from retune.prediction import StepTrace, trace_step
 from retune.prediction.sharded import rank_peak
+from tests.helpers.dist_utils import run_rank_scripts
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -118,7 +121,10 @@ def test_fsdp2_hooks_are_taken_out_and_put_back_in_order_and_user_hooks_stay(glo
     tables = [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
     with hooks_removed(model):
         assert [len(m._forward_hooks) for m in fsdp_modules(model)] == [0, 0, 0, 0]
-        assert list(model[2]._forward_pre_hooks) == [user.id]  # type: ignore[index]  # the user's stays
+        assert [list(m._forward_pre_hooks) for m in fsdp_modules(model)] == [[], [], [user.id], []]
+        added = model[4].register_forward_hook(lambda module, args, out: None)  # type: ignore[index]
+    assert list(model[4]._forward_hooks)[-1] == added.id  # type: ignore[index]  # added in the block: it stays
+    added.remove()
     after = [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
     assert [(list(a), list(b)) for a, b in after] == [(list(a), list(b)) for a, b in tables]
     assert after == tables
@@ -190,3 +196,49 @@ def test_mixed_precision_fsdp2_is_not_traced_and_says_why(gloo_group: Any) -> No
     model = _shard(_layers(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     reason = why_not_traced(model)
     assert reason is not None and "MixedPrecisionPolicy" in reason and "param_dtype=torch.bfloat16" in reason
+    outputs = _shard(_layers(), mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16))
+    assert "output_dtype=torch.bfloat16" in (why_not_traced(outputs) or "")
+    mixed = _layers()
+    mixed[4].to(torch.bfloat16)  # type: ignore[index]  # one group already bf16: only the others are cast
+    assert "param_dtype" in (
+        why_not_traced(_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))) or ""
+    )
+    stored = _layers().to(torch.bfloat16)  # every parameter stored in the policy's dtype: nothing is cast
+    assert why_not_traced(_shard(stored, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))) is None
+
+
+def test_groups_kept_gathered_after_forward_count_whole_in_the_account(gloo_group: Any) -> None:
+    """A group not resharded after forward (``reshard_after_forward=False``) stays gathered into backward: counted
+    whole, beside the two largest of the others; a group of several modules (``fully_shard([a, b])``) once."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    model = _layers()
+    fully_shard([model[0], model[4]], mesh=mesh)  # type: ignore[list-item]  # one group of two modules
+    fully_shard(model[2], mesh=mesh, reshard_after_forward=False)  # type: ignore[index]
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    account = ShardAccount.of(model, [optimizer], resident_bytes(model, [optimizer]))
+    kept = sum(p.numel() for p in model[2].parameters()) * 4  # type: ignore[index]
+    grouped = sum(p.numel() for i in (0, 4) for p in model[i].parameters()) * 4  # type: ignore[index]
+    assert account.gathered == kept + grouped  # the root holds no parameters of its own
+
+
+def test_a_ranks_prediction_from_a_fresh_optimizer_is_within_10_percent_over_its_measured_peak(
+    tmp_path: Path,
+) -> None:
+    """2 gloo ranks (tests/fsdp2/run_rank_peak.py): AdamW without state, each rank traces one step (as a search
+    does at fit start: the update creates the state, half of it on each rank) and predicts its steady peak, then
+    measures it. The state is counted once, as the rank's half (before, it was counted whole and again as the
+    rank's half: +81% on the reviewer's model), and every prediction is over by 0-10% (measured here: +9.0% at 2
+    samples, +6.6% at 64, +0.0% at 256: the gradients counted whole stand in for FSDP2's reduce buffers)."""
+    script = Path(__file__).resolve().parents[1] / "fsdp2" / "run_rank_peak.py"
+    code, output, out = run_rank_scripts({"peak": ["{out}"]}, script, tmp_path, 120)["peak"]
+    assert code == 0, output[-4000:]
+    for rank in (0, 1):
+        result = json.loads((out / f"rank{rank}.json").read_text())
+        assert result["fraction"] == 0.5
+        for size, measured in result["measured"].items():
+            error = (result["predicted"][size] - measured) / measured
+            assert 0 <= error <= 0.10, (rank, size, error)

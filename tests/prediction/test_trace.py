@@ -307,3 +307,27 @@ def test_a_trace_that_reuses_the_optimizer_update_predicts_what_a_full_trace_doe
         assert reused.optimizer == full.optimizer
         assert reused.steady_bytes == full.steady_bytes, (scenario, full, reused)
         assert reused.peak_bytes == full.peak_bytes, (scenario, full, reused)
+
+
+def test_the_compute_moment_of_a_trace_ends_where_the_update_starts() -> None:
+    """``compute_bytes`` is forward and backward only: for a step whose update creates the optimizer state, it
+    holds the gradients but not that state (which ``peak_bytes`` and ``created_bytes`` count); the update's
+    start holds the gradients. Before, the segment after the update (the state just created, the gradients
+    still alive) was counted as compute, and an FSDP2 rank's account counted the state twice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(3)])
+    optimizer = torch.optim.AdamW(model.parameters())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def step(batch: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+        model(batch).sum().backward()
+        for opt in optimizers:
+            opt.step()  # the gradients stay after the update (no zero_grad): the segment after it holds them
+
+    trace = trace_step(model, [optimizer], torch.randn(2, 256), 2, step, steps=1)
+    assert isinstance(trace, StepTrace)
+    assert 2 * params <= trace.created_bytes < 2 * params + 1024  # AdamW's two moments (and its step counts)
+    computed = trace.compute_bytes - trace.resident_bytes
+    assert params <= computed < params + 64 * 1024  # the gradients and a few activations, no state
+    assert trace.update_start_bytes - trace.resident_bytes >= params  # the gradients, alive when it starts
+    assert trace.peak_bytes - trace.resident_bytes >= params + 2 * params  # the update: gradients and new state

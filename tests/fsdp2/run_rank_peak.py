@@ -1,0 +1,82 @@
+"""A rank's predicted FSDP2 peak (``retune.prediction.sharded.rank_peak``) against its measured peak, 2 gloo ranks.
+
+Plain torch, no Lightning: 4 ``Linear(512, 512)`` + a head, each ``fully_shard``-ed, then the root; AdamW without
+state yet (the state the first update creates is half on each rank). Each rank traces one step at each size
+(``steps=1``, as a search's Tracer does), predicts its peak, then measures a real step at that size after the
+state exists (the steady state a prediction is for) with the CPU tracker. Writes ``rank{r}.json`` into argv[1].
+Run by tests/prediction/test_fsdp2_trace.py in a subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+SIZES = (2, 64, 256)
+
+
+def _rank(rank: int, out: str, store: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from retune.distributed.fsdp2 import ShardAccount
+    from retune.memory import measure_peak, resident_bytes
+    from retune.prediction.sharded import rank_peak
+    from retune.prediction.trace import StepTrace, trace_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)], nn.Linear(512, 4))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters())
+
+        def step(batch: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+            x, y = batch
+            nn.functional.cross_entropy(model(x), y).backward()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        def batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+            g = torch.Generator().manual_seed(size)
+            return torch.randn(size, 512, generator=g), torch.randint(0, 4, (size,), generator=g)
+
+        grads = sum(p.numel() * p.element_size() for p in model.parameters())
+        account = ShardAccount.of(model, [optimizer], resident_bytes(model, [optimizer]))
+        predicted = {}
+        for size in SIZES:
+            traced = trace_step(model, [optimizer], batch(2), size, step, steps=1)
+            assert isinstance(traced, StepTrace), traced
+            # a probe's peak holds its batch (here made inside the measured block)
+            predicted[size] = rank_peak(traced, account, grads) + size * (512 * 4 + 8)
+        step(batch(2), [optimizer])  # the state exists from here: a steady step
+        measured = {}
+        for size in SIZES:
+            with measure_peak(torch.device("cpu"), model, [optimizer]) as reading:
+                step(batch(size), [optimizer])
+            measured[size] = reading.peak_bytes
+        result = {"fraction": account.fraction, "predicted": predicted, "measured": measured}
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    folder = sys.argv[1]
+    mp.start_processes(_rank, args=(folder, os.path.join(folder, "store")), nprocs=2, start_method="spawn")
