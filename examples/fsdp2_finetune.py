@@ -95,12 +95,17 @@ def main(argv: Sequence[str] | None = None) -> ScheduledBatchSizeFinder:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--n-train", type=int, default=4096)
     parser.add_argument("--out", default="lightning_logs_fsdp2")
+    parser.add_argument(
+        "--predict", action="store_true", help="search.predict: auto (trace each rank's step, then verify)"
+    )
     args = parser.parse_args(argv)
 
     pl.seed_everything(0)
     schedule = load_schedule(SCHEDULE).model_copy(deep=True)
     if args.budget != "none":
         schedule = schedule.model_copy(update={"memory": schedule.memory.model_copy(update={"budget": args.budget})})
+    if args.predict:
+        schedule = schedule.model_copy(update={"search": schedule.search.model_copy(update={"predict": "auto"})})
     finder = ScheduledBatchSizeFinder(schedule)
     trainer = pl.Trainer(
         accelerator=args.accelerator,
@@ -117,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> ScheduledBatchSizeFinder:
     trainer.fit(ShardedClassifier(n_train=args.n_train))
     if trainer.is_global_zero:
         for event in finder.history:
-            print(f"epoch {event.epoch}: {event.trigger} -> batch size {event.batch_size_after} per rank")
+            how = f", {len(event.trials)} real probes" + (f", {event.prediction}" if event.prediction else "")
+            print(f"epoch {event.epoch}: {event.trigger} -> batch size {event.batch_size_after} per rank{how}")
     # Lightning leaves the process group alive after fit; without this, gloo's worker threads are torn
     # down at interpreter exit, which can abort ("terminate called without an active exception",
     # pytorch/pytorch#190489) after the run has finished

@@ -294,7 +294,8 @@ def test_a_non_memory_error_on_one_rank_mid_forward_ends_every_rank_with_the_err
     assert "rank 1 failed during a batch-size probe at size 64: ValueError: boom on rank 1" in rank0["error"]
 
 
-def test_the_fsdp2_example_runs_on_two_cpu_processes_and_retunes_at_the_unfreeze(tmp_path: Path) -> None:
+def _run_example(tmp_path: Path, *extra: str) -> list[str]:
+    """examples/fsdp2_finetune.py on 2 CPU processes; its ``epoch N: trigger -> batch size ...`` lines."""
     import os
     import subprocess
     import sys
@@ -303,7 +304,7 @@ def test_the_fsdp2_example_runs_on_two_cpu_processes_and_retunes_at_the_unfreeze
 
     script = ROOT / "examples" / "fsdp2_finetune.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, str(script), "--n-train", "2048", "--epochs", "2", "--out", str(tmp_path)]
+    args = [sys.executable, str(script), "--n-train", "2048", "--epochs", "2", "--out", str(tmp_path), *extra]
     proc = subprocess.Popen(
         args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
@@ -316,5 +317,21 @@ def test_the_fsdp2_example_runs_on_two_cpu_processes_and_retunes_at_the_unfreeze
     assert proc.returncode == 0, output[-4000:]
     lines = [line for line in output.splitlines() if " -> batch size " in line and line.startswith("epoch")]
     assert [line.split(":")[1].split("->")[0].strip() for line in lines] == ["fit_start", "trainable_params_changed"]
+    return lines
+
+
+def test_the_fsdp2_example_runs_on_two_cpu_processes_and_retunes_at_the_unfreeze(tmp_path: Path) -> None:
+    lines = _run_example(tmp_path)
+    frozen, unfrozen = (int(line.split("batch size ")[1].split()[0]) for line in lines)
+    assert unfrozen < frozen
+
+
+def test_the_fsdp2_example_with_predict_verifies_predicted_sizes_with_a_few_probes(tmp_path: Path) -> None:
+    """``--predict`` (``search.predict: auto``): both searches are predicted and verified with at most 3 real
+    probes each (measured: 1 and 2, where real probes alone take 10 and 11, to the same sizes, 1024 and 775)."""
+    lines = _run_example(tmp_path, "--predict")
+    assert all(line.endswith(", predicted") for line in lines), lines
+    probes = [int(line.split(", ")[1].split()[0]) for line in lines]
+    assert all(1 <= count <= 3 for count in probes), lines
     frozen, unfrozen = (int(line.split("batch size ")[1].split()[0]) for line in lines)
     assert unfrozen < frozen
