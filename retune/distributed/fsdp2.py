@@ -109,10 +109,34 @@ def _param_groups(state: Any) -> list[Any]:
     return list(groups)
 
 
-def _fsdp_params(module: torch.nn.Module) -> list[Any]:
-    return [
-        fp for state in _states(module) for group in _param_groups(state) for fp in getattr(group, "fsdp_params", ())
-    ]
+def _group_params(group: Any) -> list[Any]:
+    """The ``FSDPParam`` records of one parameter group."""
+    return list(getattr(group, "fsdp_params", ()))
+
+
+def _state_params(state: Any) -> list[Any]:
+    return [fp for group in _param_groups(state) for fp in _group_params(group)]
+
+
+class _GatheredStorages:
+    """``unsharded_storages``' reader: the storages are looked up while some parameter has none yet (FSDP2 makes
+    them at its first all-gather and keeps them), then only their sizes are read."""
+
+    def __init__(self, params: list[Any]) -> None:
+        self.params = params
+        self.storages: list[Any] = []
+        self.complete = False
+
+    def __call__(self) -> dict[int, int]:
+        if not self.complete:
+            tensors = [t for fp in self.params for t in _gathered_tensors(fp)]
+            self.storages = list({id(s): s for s in (t.untyped_storage() for t in tensors)}.values())
+            self.complete = all(getattr(fp, "all_gather_outputs", ()) for fp in self.params)
+        return {storage._cdata: storage.nbytes() for storage in self.storages}
+
+
+def _gathered_tensors(fsdp_param: Any) -> tuple[torch.Tensor, ...]:
+    return (*getattr(fsdp_param, "all_gather_outputs", ()), *getattr(fsdp_param, "_unsharded_inner_tensors", ()))
 
 
 def unsharded_storages(module: torch.nn.Module) -> Callable[[], dict[int, int]] | None:
@@ -123,25 +147,10 @@ def unsharded_storages(module: torch.nn.Module) -> Callable[[], dict[int, int]] 
     (``UntypedStorage.resize_`` in ``alloc_storage``/``free_storage``), which no dispatch mode sees: a CPU
     tracker counted the storage whole on the step that created it (the first, lazily), freed or not, and
     never on the steps after, which reuse it. :class:`retune.memory.CpuPeakTracker` reads their size at every
-    operator instead. The storages are looked up again only when FSDP2 has made new ones (its first
-    all-gather), so an operator pays one ``nbytes()`` per gathered storage."""
-    params = _fsdp_params(module)
-    if not params:
-        return None
-    found: list[Any] = []
-    made: list[int] = [-1]
-
-    def tensors(fsdp_param: Any) -> tuple[torch.Tensor, ...]:
-        return (*getattr(fsdp_param, "all_gather_outputs", ()), *getattr(fsdp_param, "_unsharded_inner_tensors", ()))
-
-    def current() -> dict[int, int]:
-        count = sum(len(tensors(fsdp_param)) for fsdp_param in params)
-        if count != made[0]:
-            found[:] = list({id(s): s for fp in params for t in tensors(fp) for s in [t.untyped_storage()]}.values())
-            made[0] = count
-        return {storage._cdata: storage.nbytes() for storage in found}
-
-    return current
+    operator instead. Once every parameter has its storages (FSDP2's first all-gather makes them and keeps
+    them), an operator pays one ``nbytes()`` per gathered storage."""
+    params = [fp for state in _states(module) for fp in _state_params(state)]
+    return _GatheredStorages(params) if params else None
 
 
 def why_not_traced(module: torch.nn.Module) -> str | None:
@@ -156,7 +165,7 @@ def why_not_traced(module: torch.nn.Module) -> str | None:
         ):
             return "this torch's FSDP2 keeps its forward hooks where retune does not look (no _pre_forward_hook_handle)"
         policy = getattr(state, "_mp_policy", None)
-        dtypes = {p.dtype for fp in _fsdp_params_of(state) for p in [fp.sharded_param]}
+        dtypes = {fp.sharded_param.dtype for fp in _state_params(state)}
         casts = {
             name: dtype
             for name in ("param_dtype", "reduce_dtype", "output_dtype")
@@ -170,10 +179,6 @@ def why_not_traced(module: torch.nn.Module) -> str | None:
                 "does not model"
             )
     return None
-
-
-def _fsdp_params_of(state: Any) -> list[Any]:
-    return [fp for group in _param_groups(state) for fp in getattr(group, "fsdp_params", ())]
 
 
 def _hook_ids(handle: Any) -> set[int]:
@@ -242,7 +247,7 @@ class ShardAccount:
         kept, others = 0, []
         for state in _states(module):
             for group in _param_groups(state):
-                size = sum(_whole_bytes(fp.sharded_param) for fp in getattr(group, "fsdp_params", ()))
+                size = sum(_whole_bytes(fp.sharded_param) for fp in _group_params(group))
                 if getattr(group, "post_forward_mesh_info", True) is None:  # not resharded after forward
                     kept += size
                 else:

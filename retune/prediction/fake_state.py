@@ -58,6 +58,8 @@ def fake_tensor(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
     if is_sharded(tensor):  # an FSDP2 shard: a plain fake of the whole tensor (see the module doc)
         with mode:
             whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        if isinstance(tensor, torch.nn.Parameter):  # a Parameter, as mode.from_tensor keeps one
+            return torch.nn.Parameter(whole, requires_grad=tensor.requires_grad)
         return whole.requires_grad_(tensor.requires_grad)
     if tensor.numel() <= 1 and tensor.device.type == "cpu":
         # a scalar the optimizer reads back with .item(): a constant, over a copy of its value
@@ -74,12 +76,7 @@ def fake_training_state(
 
     def fake(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in fakes:
-            if not is_sharded(tensor):
-                fakes[id(tensor)] = mode.from_tensor(tensor)
-            elif isinstance(tensor, torch.nn.Parameter):  # a Parameter, as mode.from_tensor keeps one
-                fakes[id(tensor)] = torch.nn.Parameter(fake_tensor(mode, tensor), requires_grad=tensor.requires_grad)
-            else:
-                fakes[id(tensor)] = fake_tensor(mode, tensor)
+            fakes[id(tensor)] = fake_tensor(mode, tensor) if is_sharded(tensor) else mode.from_tensor(tensor)
         return fakes[id(tensor)]
 
     parameters = {name: fake(p) for name, p in module.named_parameters(remove_duplicate=False)}
