@@ -55,6 +55,25 @@ def _metadata_ops() -> frozenset[Any]:
 _METADATA = _metadata_ops()
 
 
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in an operator's arguments or results: nested tuples, lists and dicts of them (what
+    ``torch.utils._pytree.tree_leaves`` would find there, at a fraction of its cost on the per-operator path).
+
+    >>> [t.shape[0] for t in _tensors(((torch.ones(1), [torch.ones(2), 3]), {"out": torch.ones(4)}))]
+    [1, 2, 4]
+    """
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                yield item
+            elif isinstance(item, (tuple, list, dict)):
+                yield from _tensors(item)
+    elif isinstance(value, dict):
+        yield from _tensors(list(value.values()))
+
+
 def _device_type(tensor: torch.Tensor) -> str:
     """``tensor.device.type``, read without a dispatch for a fake tensor (whose ``device`` is a dispatched
     query: a trace asks it of every argument and result of every operator)."""
@@ -127,31 +146,48 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if func in _METADATA:
             return out  # a fake tensor's device query (the autograd engine asks for every gradient): no memory
         kind = self.device_type
-        inputs = {
-            local(leaf).untyped_storage()._cdata
-            for leaf in tree_leaves((args, kwargs or {}))
-            if isinstance(leaf, torch.Tensor) and _device_type(leaf) == kind
-        }
         resized = self.resized() if self.resized is not None else {}
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and _device_type(leaf) == kind:
-                self._track(local(leaf), inputs | resized.keys())  # a sharded (DTensor) result: its local shard
+        inputs: set[int] | None = None  # the inputs' storages, read once, only when a result is not counted yet
+        for leaf in _tensors(out):
+            if _device_type(leaf) != kind:
+                continue
+            storage = local(leaf).untyped_storage()  # a sharded (DTensor) result: its local shard
+            key = storage._cdata
+            if key in self._live or key in resized:
+                continue
+            if inputs is None:
+                inputs = {
+                    local(t).untyped_storage()._cdata
+                    for t in _tensors((args, kwargs) if kwargs else args)
+                    if _device_type(t) == kind
+                }
+            if key not in inputs:  # a view or an in-place result shares an input's storage: no new memory
+                self._track(storage, key)
         if resized:
             for key in resized.keys() & self._live.keys():  # counted when created; its size is read from now on
                 self.live_bytes -= self._live.pop(key)
             self.peak_bytes = max(self.peak_bytes, self.live_bytes + sum(resized.values()))
         return out
 
-    def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
+    def _track(self, storage: torch.UntypedStorage, key: int) -> None:
         nbytes = storage.nbytes()
-        if key in self._live or key in inputs or nbytes == 0:
-            return  # a view or an in-place result shares an input's storage: no new memory
+        if nbytes == 0:
+            return
         self._live[key] = nbytes
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         weakref.finalize(storage, self._release, key)
+
+    def recount(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Count ``tensor``'s storage, counted since it was made, at ``nbytes`` from now on: what a sharded step
+        keeps of it (``reduced_gradients`` of ``retune.prediction.trace.trace_step``). Only a tensor that is its
+        whole storage is recounted (a view of a larger storage, several gradients in one buffer, keeps its count)."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self._live and storage.nbytes() == tensor.numel() * tensor.element_size():
+            self.live_bytes -= self._live[key] - nbytes
+            self._live[key] = nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _release(self, key: int) -> None:
         self.live_bytes -= self._live.pop(key, 0)

@@ -153,32 +153,79 @@ def unsharded_storages(module: torch.nn.Module) -> Callable[[], dict[int, int]] 
     return _GatheredStorages(params) if params else None
 
 
+def compute_dtypes(module: torch.nn.Module) -> dict[int, torch.dtype]:
+    """The dtype FSDP2 gathers and computes each of ``module``'s parameters in, where a ``MixedPrecisionPolicy``
+    casts it (its ``param_dtype``, other than the dtype it is stored in), by ``id`` of the sharded parameter."""
+    return {
+        id(fp.sharded_param): dtype
+        for state in _states(module)
+        for group in _param_groups(state)
+        for fp in _group_params(group)
+        if (dtype := _param_dtype(group, fp)) is not None
+    }
+
+
+def _param_dtype(group: Any, fsdp_param: Any) -> torch.dtype | None:
+    """The dtype FSDP2 gathers ``fsdp_param`` in when its group's policy casts it, else None. FSDP2 sets
+    ``FSDPParam.param_dtype`` at its lazy initialisation (the first forward), which a search at fit start
+    precedes: read from the group's policy, with FSDP2's own rule (no cast to the stored dtype, none of a
+    non-floating parameter)."""
+    stored = fsdp_param.sharded_param.dtype
+    policy = getattr(group, "mp_policy", None)
+    dtype = getattr(policy, "param_dtype", None) if policy is not None else getattr(fsdp_param, "param_dtype", None)
+    if dtype is None or dtype == stored or not stored.is_floating_point:
+        return None
+    return dtype  # type: ignore[no-any-return]
+
+
+def gradient_shards(module: torch.nn.Module) -> dict[int, int]:
+    """The bytes of each trainable parameter's gradient a rank keeps once FSDP2 reduce-scattered it (its shard, in
+    the stored dtype; the whole gradient of a parameter FSDP2 does not shard), by ``id`` of the parameter."""
+    return {id(p): local(p).numel() * p.element_size() for p in module.parameters() if p.requires_grad}
+
+
 def why_not_traced(module: torch.nn.Module) -> str | None:
     """Why a fake trace of ``module``'s FSDP2 step (:func:`hooks_removed`) would not compute as the sharded step
-    does (None: it would). A ``MixedPrecisionPolicy`` that casts (a parameter stored in another dtype than its
-    ``param_dtype``, gradients reduced in another dtype, outputs cast to ``output_dtype``) changes what each
-    collective and each module's compute hold, which a trace of the plain module on its stored dtypes does not
-    do. A torch whose FSDP2 keeps its forward hooks elsewhere cannot be traced either."""
+    does (None: it would). The trace runs each sharded module as the plain module with FSDP2's forward hooks
+    out of the way and its ``MixedPrecisionPolicy`` casts in their place (inputs to ``param_dtype``, outputs to
+    ``output_dtype``: the policy's own methods), and the parameters faked in the dtype FSDP2 computes them in
+    (:func:`compute_dtypes`). A torch whose FSDP2 keeps its forward hooks or those casts elsewhere cannot be
+    traced."""
+    needed = ("_pre_forward_hook_handle", "_post_forward_hook_handle", "_modules")
+    casts = ("_cast_forward_inputs", "_cast_output_dtype")
     for state in _states(module):
-        if not all(
-            hasattr(state, name) for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle", "_modules")
-        ):
+        if not all(hasattr(state, name) for name in needed):
             return "this torch's FSDP2 keeps its forward hooks where retune does not look (no _pre_forward_hook_handle)"
-        policy = getattr(state, "_mp_policy", None)
-        dtypes = {fp.sharded_param.dtype for fp in _state_params(state)}
-        casts = {
-            name: dtype
-            for name in ("param_dtype", "reduce_dtype", "output_dtype")
-            if (dtype := getattr(policy, name, None)) is not None and dtypes and dtypes != {dtype}
-        }
-        if casts:
-            named = ", ".join(f"{name}={dtype}" for name, dtype in casts.items())
+        if _casts(state) != (False, False) and not all(callable(getattr(state, name, None)) for name in casts):
             return (
-                f"FSDP2 with a MixedPrecisionPolicy ({named}) casts parameters, gradients or outputs that its "
-                f"parameters ({', '.join(sorted(str(d) for d in dtypes))}) are not, which the unsharded fake trace "
-                "does not model"
+                "this torch's FSDP2 casts for its MixedPrecisionPolicy where retune does not look "
+                "(no _cast_forward_inputs)"
             )
     return None
+
+
+def _casts(state: Any) -> tuple[bool, bool]:
+    """Whether FSDP2 casts a module's floating-point inputs (to ``param_dtype``) and its outputs (to
+    ``output_dtype``) for this state's ``MixedPrecisionPolicy``."""
+    policy = getattr(state, "_mp_policy", None)
+    if policy is None:
+        return False, False
+    inputs = bool(getattr(policy, "cast_forward_inputs", False)) and getattr(policy, "param_dtype", None) is not None
+    return inputs, getattr(policy, "output_dtype", None) is not None
+
+
+def _inputs_cast(state: Any) -> Callable[..., Any]:
+    def cast(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return state._cast_forward_inputs(args, kwargs)
+
+    return cast
+
+
+def _outputs_cast(state: Any) -> Callable[..., Any]:
+    def cast(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        return state._cast_output_dtype(output)
+
+    return cast
 
 
 def _hook_ids(handle: Any) -> set[int]:
@@ -193,17 +240,28 @@ def _hook_ids(handle: Any) -> set[int]:
 def hooks_removed(module: torch.nn.Module) -> Iterator[None]:
     """FSDP2's forward hooks off inside the block: every sharded module runs as the plain module it wraps, on
     whatever parameters are in its ``_parameters`` (a fake trace puts whole-tensor fakes there), with no
-    all-gather, no reduce-scatter and no FSDP2 state touched. Only FSDP2's own hooks are taken out, and only
-    they are put back afterwards, each in its place in its table (no collective); a hook the block adds or
-    removes stays added or removed."""
+    all-gather, no reduce-scatter and no FSDP2 state touched. Where its ``MixedPrecisionPolicy`` casts the
+    module's inputs or outputs in those hooks, the hook is swapped in place for the policy's own cast (no
+    collective), so it runs where FSDP2's did, in the same order among the other hooks. Only FSDP2's own hooks
+    are taken out or swapped, and only they are put back afterwards, each in its place in its table; a hook the
+    block adds or removes stays added or removed."""
     removed: list[tuple[dict[int, Any], list[int], dict[int, Any]]] = []
     try:
         for state in _states(module):
             ids = _hook_ids(state._pre_forward_hook_handle) | _hook_ids(state._post_forward_hook_handle)
+            inputs, outputs = _casts(state)
             for owner in getattr(state, "_modules", ()):
-                for table in (owner._forward_pre_hooks, owner._forward_hooks):
-                    if ids & table.keys():
-                        removed.append((table, list(table), {key: table.pop(key) for key in ids & table.keys()}))
+                for table, cast in ((owner._forward_pre_hooks, inputs), (owner._forward_hooks, outputs)):
+                    keys = ids & table.keys()
+                    if not keys:
+                        continue
+                    removed.append((table, list(table), {key: table[key] for key in keys}))
+                    pre = table is owner._forward_pre_hooks
+                    for key in keys:
+                        if cast:  # FSDP2's hook casts here: the policy's cast, in its place
+                            table[key] = _inputs_cast(state) if pre else _outputs_cast(state)
+                        else:
+                            del table[key]
         yield
     finally:
         for table, order, hooks in reversed(removed):
@@ -212,6 +270,7 @@ def hooks_removed(module: torch.nn.Module) -> Iterator[None]:
             for key in order:  # the order on entry; what the block removed stays out
                 if key in hooks:
                     table[key] = hooks[key]
+                    now.pop(key, None)  # a cast swapped in under FSDP2's key
                 elif key in now:
                     table[key] = now.pop(key)
             table.update(now)  # what the block added, after
@@ -223,19 +282,26 @@ class ShardAccount:
     the unsharded module (:func:`hooks_removed`) counts for it.
 
     A trace of the plain module on its per-rank batch counts the activations exactly (FSDP2 computes each
-    module with its whole parameters), and the parameters, gradients and optimizer state whole. On a rank the
+    module with its whole parameters), the parameters (in the dtype FSDP2 computes them in) and optimizer state
+    whole, and each gradient whole until it is accumulated, then as the rank's shard. On a rank the
     parameters and optimizer state are shards (``resident``: read off the real shards), the gradients are
     shards once reduce-scattered (``gradients``), the state the first update creates is this rank's part of it
-    (``fraction`` of the whole), and, while a module computes, parameters are gathered whole (``gathered``):
-    every group that is not resharded after forward (the root, by default) stays gathered into backward, and of
-    the others the one computing and the one prefetched, taken as the two largest. That is an estimate; the
-    verifying probes measure the truth and the calibration corrects the constant.
+    (``fraction`` of the whole), and, while a module computes, parameters are gathered whole (``gathered``, in
+    the dtype FSDP2 gathers them in: a ``MixedPrecisionPolicy``'s ``param_dtype``): every group that is not
+    resharded after forward (the root, by default) stays gathered into backward, and of the others the one
+    computing and the one prefetched, taken as the two largest. That is an estimate; the verifying probes
+    measure the truth and the calibration corrects the constant.
     """
 
     resident: int
     gradients: int
     fraction: float
     gathered: int
+    reducing: int = 0
+    """What FSDP2 allocates to reduce a group's gradients (the reduce-scatter's input: the group's whole gradients
+    in the dtype it reduces in), for the largest trainable group, counted at the compute peak, where
+    the largest group is not always the one reducing. An estimate: it leaves out dim-0 padding, the
+    reduce-scatter's output and HSDP's all-reduce buffer."""
 
     @classmethod
     def of(cls, module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer], resident: int) -> ShardAccount:
@@ -244,30 +310,51 @@ class ShardAccount:
         shards = sum(local(p).numel() for p in params)
         trainable = [p for p in params if p.requires_grad]
         gradients = sum(local(p).numel() * p.element_size() for p in trainable)
-        kept, others = 0, []
+        kept, others, reducing = 0, [], 0
         for state in _states(module):
             for group in _param_groups(state):
-                size = sum(_whole_bytes(fp.sharded_param) for fp in _group_params(group))
+                records = _group_params(group)
+                size = sum(_gathered_bytes(group, fp) for fp in records)
                 if getattr(group, "post_forward_mesh_info", True) is None:  # not resharded after forward
                     kept += size
                 else:
                     others.append(size)
-        return cls(resident, gradients, shards / whole if whole else 1.0, kept + sum(sorted(others)[-2:]))
+                reducing = max(reducing, sum(_reduced_bytes(group, fp) for fp in records))
+        fraction = shards / whole if whole else 1.0
+        return cls(resident, gradients, fraction, kept + sum(sorted(others)[-2:]), reducing)
 
     def fixed(self, created_whole: int) -> int:
         """The bytes of a rank's steady step that do not grow with the batch, given the optimizer state the
         traced (unsharded) step created."""
-        return self.resident + self.gradients + round(created_whole * self.fraction) + self.gathered
+        return self.resident + self.gradients + round(created_whole * self.fraction) + self.gathered + self.reducing
 
 
-def _whole_bytes(tensor: torch.Tensor) -> int:
-    """The bytes of the whole tensor a shard is part of (a ``DTensor``'s ``numel()`` is the whole one's)."""
-    return tensor.numel() * tensor.element_size() if is_sharded(tensor) else 0
+def _reduced_bytes(group: Any, fsdp_param: Any) -> int:
+    """The bytes of a trainable parameter's whole gradient in the dtype FSDP2 reduce-scatters it in (the policy's
+    ``reduce_dtype``, else the dtype it is computed in)."""
+    tensor = fsdp_param.sharded_param
+    if not is_sharded(tensor) or not tensor.requires_grad:
+        return 0
+    policy = getattr(group, "mp_policy", None)
+    dtype = getattr(policy, "reduce_dtype", None) or _param_dtype(group, fsdp_param) or tensor.dtype
+    return int(tensor.numel() * dtype.itemsize)
+
+
+def _gathered_bytes(group: Any, fsdp_param: Any) -> int:
+    """The bytes of a parameter gathered whole, in the dtype FSDP2 gathers it in (a ``DTensor``'s ``numel()`` is
+    the whole tensor's)."""
+    tensor = fsdp_param.sharded_param
+    if not is_sharded(tensor):
+        return 0
+    dtype = _param_dtype(group, fsdp_param) or tensor.dtype
+    return int(tensor.numel() * dtype.itemsize)
 
 
 __all__ = [
     "ShardAccount",
     "ShardedTrials",
+    "compute_dtypes",
+    "gradient_shards",
     "fsdp_modules",
     "hooks_removed",
     "reset_after_failure",

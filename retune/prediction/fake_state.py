@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -52,12 +52,12 @@ class FakeTrainingState:
     optimizers: list[torch.optim.Optimizer]
 
 
-def fake_tensor(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
+def fake_tensor(mode: FakeTensorMode, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A fake of ``tensor``; a one-element CPU tensor is a constant over a private copy of its value; an FSDP2
-    shard a plain fake of the whole tensor."""
+    shard a plain fake of the whole tensor, in ``dtype`` where given (the dtype FSDP2 computes it in)."""
     if is_sharded(tensor):  # an FSDP2 shard: a plain fake of the whole tensor (see the module doc)
         with mode:
-            whole = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+            whole = torch.empty(tensor.shape, dtype=dtype or tensor.dtype, device=tensor.device)
         if isinstance(tensor, torch.nn.Parameter):  # a Parameter, as mode.from_tensor keeps one
             return torch.nn.Parameter(whole, requires_grad=tensor.requires_grad)
         return whole.requires_grad_(tensor.requires_grad)
@@ -69,14 +69,25 @@ def fake_tensor(mode: FakeTensorMode, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def fake_training_state(
-    mode: FakeTensorMode, module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+    mode: FakeTensorMode,
+    module: torch.nn.Module,
+    optimizers: Iterable[torch.optim.Optimizer],
+    compute_dtypes: Mapping[int, torch.dtype] | None = None,
 ) -> FakeTrainingState:
-    """Fakes for ``module``'s parameters and buffers and clones of ``optimizers`` over them (see module doc)."""
+    """Fakes for ``module``'s parameters and buffers and clones of ``optimizers`` over them (see module doc).
+
+    ``compute_dtypes`` (``id`` of a sharded parameter -> dtype: :func:`retune.distributed.fsdp2.compute_dtypes`)
+    fakes those parameters in the dtype FSDP2's ``MixedPrecisionPolicy`` gathers and computes them in, for a
+    trace of forward and backward; the optimizers then hold those fakes too, so such a trace takes the
+    update's phase from :func:`retune.prediction.trace.trace_update` instead of running it."""
     fakes: dict[int, torch.Tensor] = {}  # one fake per real tensor: tied names, and the optimizers' references
+    dtypes = compute_dtypes or {}
 
     def fake(tensor: torch.Tensor) -> torch.Tensor:
         if id(tensor) not in fakes:
-            fakes[id(tensor)] = fake_tensor(mode, tensor) if is_sharded(tensor) else mode.from_tensor(tensor)
+            fakes[id(tensor)] = (
+                fake_tensor(mode, tensor, dtypes.get(id(tensor))) if is_sharded(tensor) else mode.from_tensor(tensor)
+            )
         return fakes[id(tensor)]
 
     parameters = {name: fake(p) for name, p in module.named_parameters(remove_duplicate=False)}

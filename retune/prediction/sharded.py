@@ -9,11 +9,16 @@ step peaks at one of two moments, which hold different state:
   the parameters and state instead of the whole ones, plus the groups FSDP2 has gathered whole at that point
   (``gathered`` of :class:`retune.distributed.fsdp2.ShardAccount`), plus this rank's part of the state a first
   update creates (alive in every later step, as :attr:`~retune.prediction.trace.StepTrace.steady_bytes` counts
-  it). The gradients backward has made by then stay whole, as traced: they stand in for what FSDP2 holds for
-  them while it reduces (each group's whole gradients, the reduce-scatter's input and output buffers), which a
-  rank's shards alone would leave out. Counted at the rank's share instead, a 2-rank run of 4
-  ``Linear(512, 512)`` predicted 5-12% under its measured peaks; counted whole, 0-9% over
-  (tests/fsdp2/run_rank_peak.py);
+  it), plus what FSDP2 allocates to reduce a group's gradients (``reducing``: the largest group's). The trace
+  counts each gradient whole when backward makes it and as the rank's shard once it is accumulated
+  (``reduced_gradients`` of :func:`~retune.prediction.trace.trace_step`), as FSDP2 reduce-scatters each group
+  during backward. Three accounts were measured on 2 ranks of 4 ``Linear(512, 512)`` at 2 to 1,024 samples
+  (tests/fsdp2/run_rank_peak.py) and on the Lightning run of tests/distributed/test_fsdp2.py: the gradients
+  whole to the end (the first design: the traced peak then falls at the end of backward, where a rank holds
+  shards; float32 +9% to 0%, bfloat16 -3% to -9%: under), the reduce-scatter's buffers added when a group's
+  last gradient is made (float32 -4% to +9%, bfloat16 -3% to +10%: under at 256 and 1,024 samples), and this
+  one, never under: float32 0% to +5%, bfloat16 0% to +5%, the Lightning run up to +11%, one rank up to
+  +17% (the largest group reduces late in backward there, when activations are freed);
 - **the optimizer update** (:attr:`~retune.prediction.trace.StepTrace.update_start_bytes` and the update's
   phase): every group resharded, the gradients reduce-scattered to shards, and the update's temporaries and
   new state this rank's fraction of the whole.
@@ -27,9 +32,9 @@ calibration corrects a constant error.
 >>> trace = StepTrace(8, peak_bytes=1900, resident_bytes=1000, steps=1, seconds=0.0, created_bytes=400,
 ...                   optimizer=OptimizerPhase(extra_bytes=600, created_bytes=400),
 ...                   compute_bytes=1900, update_start_bytes=1300)
->>> account = ShardAccount(resident=500, gradients=150, fraction=0.5, gathered=120)
->>> rank_peak(trace, account, whole_gradients=300)   # compute: 900 + 500 + 120 + 200; update: 0 + 500 + 150 + 300
-1720.0
+>>> account = ShardAccount(resident=500, gradients=150, fraction=0.5, gathered=120, reducing=60)
+>>> rank_peak(trace, account, whole_gradients=300)   # compute: 900 + 500 + 120 + 60 + 200; update: 0 + 500 + 150 + 300
+1780.0
 """
 
 from __future__ import annotations
@@ -47,14 +52,16 @@ __all__ = ["rank_peak"]
 def rank_peak(trace: StepTrace, account: ShardAccount, whole_gradients: int) -> float:
     """The rank's peak bytes of the traced step (the module doc's two moments), without the batch's own bytes.
 
-    ``whole_gradients``: the bytes of every trainable parameter's whole gradient, which the trace holds at the
-    update's start and the rank holds as shards.
+    ``whole_gradients``: the bytes of the gradients the trace holds at the update's start (every trainable
+    parameter's, as the trace counted them: whole, or the rank's shards where it counted ``reduced_gradients``);
+    the rank holds its shards (``account.gradients``).
     """
     fraction = account.fraction
     # the state the update creates is alive in every later step's compute: traced with two steps the second
     # holds it whole (counted in compute_bytes), with one it does not yet; a rank holds its share
     held = trace.created_bytes if trace.steps > 1 else 0
-    compute = trace.compute_bytes - held - trace.resident_bytes + account.resident + account.gathered
+    gathered = account.gathered + account.reducing  # what FSDP2 holds for its collectives at the compute peak
+    compute = trace.compute_bytes - held - trace.resident_bytes + account.resident + gathered
     compute_rank = compute + trace.created_bytes * fraction
     if trace.optimizer is None:
         return float(compute_rank)

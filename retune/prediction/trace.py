@@ -31,7 +31,11 @@ Under FSDP2 the trace is of the plain module on the rank's batch, with whole-ten
 (:mod:`~retune.prediction.fake_state`) and FSDP2's hooks out of the way
 (:func:`retune.distributed.fsdp2.hooks_removed`): no collective runs, the activations are what FSDP2's
 step computes, and the whole state's bytes are turned into the rank's by the caller
-(:class:`retune.distributed.fsdp2.ShardAccount`).
+(:class:`retune.distributed.fsdp2.ShardAccount`). With a ``MixedPrecisionPolicy`` the parameters are faked in
+the dtype FSDP2 computes them in (``compute_dtypes``) and the policy's input and output casts run where its
+hooks would, so forward, backward and their gradients are in that dtype, as FSDP2's are; the optimizer update
+runs on the stored dtype's shards, so it is traced apart (:func:`trace_update`: the update alone, on fakes of
+the stored parameters and their gradients) and the step's trace reuses its phase.
 
 Nothing of the run changes: the real parameters, gradients, buffers, optimizer state and the
 trainer's optimizers are never written (the fakes stand in for them and the real objects are put
@@ -50,7 +54,7 @@ tracker runs it in a probe (its compiler stance), so it is predicted as the eage
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +75,15 @@ from retune.prediction.fake_batch import fake_batch
 from retune.prediction.fake_state import fake_training_state, swapped_in
 from retune.probing.sample_sizes import preserved_rng
 
-__all__ = ["CannotPredict", "OptimizerPhase", "StepFn", "StepTrace", "trace_step", "trace_training_step"]
+__all__ = [
+    "CannotPredict",
+    "OptimizerPhase",
+    "StepFn",
+    "StepTrace",
+    "trace_step",
+    "trace_training_step",
+    "trace_update",
+]
 
 StepFn = Callable[[Any, list[torch.optim.Optimizer]], object]
 """``step(batch, optimizers)``: one training step of the module on ``batch`` with ``optimizers``."""
@@ -143,6 +155,8 @@ def trace_step(
     steps: int | None = None,
     device: torch.device | None = None,
     optimizer: OptimizerPhase | None = None,
+    compute_dtypes: Mapping[int, torch.dtype] | None = None,
+    reduced_gradients: Mapping[int, int] | None = None,
 ) -> StepTrace | CannotPredict:
     """Trace ``steps`` calls of ``step`` on a fake ``batch`` of ``size`` samples; never raises.
 
@@ -152,20 +166,32 @@ def trace_step(
     half and gives :attr:`StepTrace.steady_bytes`, a bound on that peak from the state it created.
     ``device`` puts the fake batch there (default: where
     the batch's tensors are). ``optimizer``, the phase an earlier one-step trace of the same training state
-    measured, skips the update (see the module doc); it applies to one step only.
+    measured, skips the update (see the module doc); it applies to one step only. ``compute_dtypes`` fakes
+    FSDP2's mixed-precision parameters in their compute dtype (:func:`~retune.prediction.fake_state.
+    fake_training_state`); pass the update's phase with it (:func:`trace_update`). ``reduced_gradients``
+    (``id`` of a real parameter -> bytes: :func:`retune.distributed.fsdp2.gradient_shards`) counts each such
+    gradient whole when backward makes it and at those bytes once it is accumulated: what an FSDP2 rank keeps
+    of it after its reduce-scatter.
     """
     started = time.perf_counter()
     count = steps if steps is not None else (1 if has_optimizer_state(optimizers) else 2)
     reuse = optimizer if count == 1 else None
+    if compute_dtypes and reuse is None:  # the optimizers would update the compute-dtype fakes
+        return CannotPredict("a step traced in its compute dtypes needs its update's phase (trace_update), one step")
     try:
         with preserved_rng(), _modes_preserved(module), torch.inference_mode(False), torch.enable_grad():
             mode = FakeTensorMode()  # real tensors reaching an op raise: nothing real can be written
-            state = fake_training_state(mode, module, optimizers)
+            state = fake_training_state(mode, module, optimizers, compute_dtypes)
             fake = fake_batch(batch, size, mode, device)
+            reduced = {  # by name: inside the swap below, the module's parameters are the fakes
+                name: reduced_gradients[id(p)]
+                for name, p in module.named_parameters(remove_duplicate=False)
+                if reduced_gradients and id(p) in reduced_gradients
+            }
             with swapped_in(module, state), hooks_removed(module), mode:
                 resident = resident_bytes(module, state.optimizers)
                 batch_bytes = tensor_bytes(fake)
-                with CpuPeakTracker(_device_type(module, device)) as tracker:
+                with CpuPeakTracker(_device_type(module, device)) as tracker, _reduced(state, tracker, reduced):
                     phases = _Phases(tracker, reuse)
                     for opt in state.optimizers:
                         phases.wrap(opt)
@@ -183,6 +209,27 @@ def trace_step(
     update_start = resident + phases.update_start if phase is not None else 0
     seconds = time.perf_counter() - started
     return StepTrace(size, peak, resident, count, seconds, created, batch_bytes, phase, compute, update_start)
+
+
+@contextmanager
+def _reduced(state: Any, tracker: CpuPeakTracker, reduced: Mapping[str, int]) -> Iterator[None]:
+    """Inside the block, each fake parameter named in ``reduced`` has its gradient counted at those bytes from the
+    moment backward accumulates it (see :func:`trace_step`)."""
+    handles = []
+    for name, kept in reduced.items():
+        fake = state.parameters.get(name)
+        if fake is not None and fake.requires_grad:
+
+            def reduce(param: torch.Tensor, kept: int = kept) -> None:
+                if param.grad is not None:
+                    tracker.recount(param.grad, kept)
+
+            handles.append(fake.register_post_accumulate_grad_hook(reduce))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class _Phases:
@@ -242,6 +289,32 @@ class _Phases:
         return self.reuse or OptimizerPhase(self.extra, created)
 
 
+def trace_update(
+    module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], device: torch.device | None = None
+) -> OptimizerPhase | CannotPredict:
+    """The optimizer update alone, traced: every trainable parameter's fake holds a fake gradient of its own
+    shape and dtype (alive when an update starts), each optimizer's ``step()`` runs, and its peak above that
+    start and the state it created are the phase (what :class:`_Phases` measures inside a step). For a step
+    traced in another dtype than its parameters are stored in (FSDP2's mixed precision), whose update runs on
+    the stored parameters. An optimizer whose ``step`` needs a closure (L-BFGS) cannot be traced this way."""
+    try:
+        with preserved_rng(), torch.inference_mode(False):
+            mode = FakeTensorMode()
+            state = fake_training_state(mode, module, optimizers)
+            with swapped_in(module, state), mode:
+                for param in state.parameters.values():
+                    if param.requires_grad:
+                        param.grad = torch.zeros_like(param)
+                before = resident_bytes(module, state.optimizers)
+                with CpuPeakTracker(_device_type(module, device)) as tracker:
+                    for opt in state.optimizers:
+                        opt.step()
+                created = max(0, resident_bytes(module, state.optimizers) - before)
+    except Exception as error:  # every failure of the trace is a "cannot predict"
+        return cannot_predict(error)
+    return OptimizerPhase(tracker.peak_bytes, created)
+
+
 def trace_training_step(
     trainer: Any,
     pl_module: Any,
@@ -250,6 +323,8 @@ def trace_training_step(
     batch_idx: int = 0,
     steps: int | None = None,
     optimizer: OptimizerPhase | None = None,
+    compute_dtypes: Mapping[int, torch.dtype] | None = None,
+    reduced_gradients: Mapping[int, int] | None = None,
 ) -> StepTrace | CannotPredict:
     """:func:`trace_step` of the run's own training step, as a probe runs it (see the module doc).
 
@@ -261,7 +336,18 @@ def trace_training_step(
         with optimizers_replaced(trainer, optimizers), hooks_isolated(trainer, pl_module), logging_silenced(pl_module):
             training_step(trainer, pl_module, fake, batch_idx)
 
-    return trace_step(pl_module, list(trainer.optimizers), batch, size, step, steps, pl_module.device, optimizer)
+    return trace_step(
+        pl_module,
+        list(trainer.optimizers),
+        batch,
+        size,
+        step,
+        steps,
+        pl_module.device,
+        optimizer,
+        compute_dtypes,
+        reduced_gradients,
+    )
 
 
 def cannot_predict(error: BaseException) -> CannotPredict:

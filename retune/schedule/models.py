@@ -167,7 +167,7 @@ class SearchConfig(_Config):
         description="auto: trace the training step on fake tensors (no compute, no memory) at a few sizes, jump to "
         "the largest size the traced peak line keeps within the limit, and verify it with real probes, "
         "calibrating the prediction on them (a size is used only after a real probe fit); where the step cannot "
-        "be traced (a data-dependent operator, a custom kernel, FSDP2 with a MixedPrecisionPolicy) or there is no "
+        "be traced (a data-dependent operator, a custom kernel) or there is no "
         "limit to predict against "
         "(no memory.budget, no device statistics), it says why once and searches with real probes. A trace costs "
         "Python dispatch per operator whatever the size or device: worth it where a real step costs more (large "

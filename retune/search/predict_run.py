@@ -19,10 +19,12 @@ of ``steps_per_trial`` steps.
 
 Under FSDP2 each rank traces the plain module on its batch (:mod:`retune.prediction.trace`) and counts its
 shards of the state in place of the whole (:class:`retune.distributed.fsdp2.ShardAccount`): what grows with
-the batch is traced, what does not is the rank's.
+the batch is traced, what does not is the rank's. With a ``MixedPrecisionPolicy`` forward and backward are
+traced in the dtype FSDP2 computes in, and the optimizer update, which runs on the stored shards, apart
+(:func:`retune.prediction.trace.trace_update`, once per tracer).
 
-Where it cannot predict (no limit to predict against, an evaluation stage, FSDP2 with a mixed-precision
-policy, a step that fails on fake tensors, a torch without fake tensors), :func:`why_not_predict` or the
+Where it cannot predict (no limit to predict against, an evaluation stage, a torch whose FSDP2 keeps its hooks
+elsewhere, a step that fails on fake tensors, a torch without fake tensors), :func:`why_not_predict` or the
 trace says why, and the caller searches as if ``predict`` were ``off``.
 """
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from retune import compat
-from retune.distributed.fsdp2 import ShardAccount, why_not_traced
+from retune.distributed.fsdp2 import ShardAccount, compute_dtypes, gradient_shards, why_not_traced
 from retune.memory import resident_bytes
 from retune.probing.prober import Prober
 from retune.search.largest import SearchPlan
@@ -86,7 +88,8 @@ class Tracer:
     traces: int = 0
     fixed: float | None = None
     """After a trace: what does not grow with the batch, agreed across ranks (parameters, buffers and optimizer
-    state, traced, plus the trainable parameters' gradients)."""
+    state, traced, plus the trainable parameters' gradients; under FSDP2 the rank's account of them:
+    :meth:`retune.distributed.fsdp2.ShardAccount.fixed`)."""
     optimizer: Any = None
     """The optimizer update the first trace measured (:class:`retune.prediction.trace.OptimizerPhase`): later
     traces of this search reuse it and run forward and backward only (the state is the same; only the batch
@@ -94,14 +97,33 @@ class Tracer:
 
     def __call__(self, size: int) -> float:
         from retune.prediction.sharded import rank_peak
-        from retune.prediction.trace import CannotPredict, trace_training_step
+        from retune.prediction.trace import CannotPredict, trace_training_step, trace_update
 
         started = time.perf_counter()
         account = None
+        dtypes: dict[int, Any] = {}
+        shards: dict[int, int] = {}
+        result: Any = None
         if compat.is_sharded(self.trainer):  # the trace counts the whole state: this rank holds shards
             optimizers = list(self.trainer.optimizers)
             account = ShardAccount.of(self.pl_module, optimizers, resident_bytes(self.pl_module, optimizers))
-        result = trace_training_step(self.trainer, self.pl_module, self.batch, size, steps=1, optimizer=self.optimizer)
+            shards = gradient_shards(self.pl_module)  # each gradient whole when made, the rank's shard once reduced
+            dtypes = compute_dtypes(self.pl_module)  # FSDP2's mixed precision: computed in another dtype
+            if dtypes and self.optimizer is None:  # whose update runs on the stored shards: traced apart
+                phase = trace_update(self.pl_module, optimizers, self.pl_module.device)
+                result = phase if isinstance(phase, CannotPredict) else None
+                self.optimizer = None if isinstance(phase, CannotPredict) else phase
+        if result is None:
+            result = trace_training_step(
+                self.trainer,
+                self.pl_module,
+                self.batch,
+                size,
+                steps=1,
+                optimizer=self.optimizer,
+                compute_dtypes=dtypes,
+                reduced_gradients=shards,
+            )
         self.seconds += time.perf_counter() - started
         self.traces += 1
         if isinstance(result, CannotPredict):
@@ -113,8 +135,8 @@ class Tracer:
             # a probe's peak holds its batch: on a CPU the tracker's count plus the loader's batch, on a device the
             # allocator's, after the batch moved there inside the measured block
             peak = float(result.steady_bytes + result.batch_bytes)
-            if account is not None:
-                peak = rank_peak(result, account, grads) + result.batch_bytes
+            if account is not None:  # the trace held each gradient as the rank's shard from its reduce on
+                peak = rank_peak(result, account, sum(shards.values())) + result.batch_bytes
                 fixed = float(account.fixed(result.created_bytes))
             local = (peak, fixed)
         gathered = compat.all_gather_object(self.trainer, local)

@@ -17,9 +17,13 @@ the prediction error of the fake trace against the CPU tracker's measured peak o
 scenario (MLP, CNN, BERT, GPT-2 + LoRA: ``tests/helpers/prediction_models.py``).
 
 Each setting runs ``--repeats`` times (3): the searches are the same every time, their seconds are not on a
-shared CPU, so the median cost is the one reported (and every repeat's). Each fit starts with fake tensors'
-process-wide dispatch cache empty, as a fresh process does (a repeat would otherwise find every trace's
-operators cached from the last fit: 0.12-0.30 s of traces instead of 0.35-0.42 s).
+shared CPU, so the median cost is the one reported (and every repeat's). Each fit starts as a fresh process
+would: with fake tensors' process-wide dispatch cache empty (a repeat would otherwise find every trace's
+operators cached from the last fit: 0.12-0.30 s of traces instead of 0.35-0.42 s), and with the garbage of
+the fits before it collected (``gc.collect()``, as ``timeit`` keeps the collector out of its timings): left
+there, it made CPython's full collection (0.22-0.30 s, 2-3 mean real steps) fall inside a search of the next
+fit in one repeat of three, the re-tune's 4th probe. Every full collection that still starts inside a search
+is reported with it (``gc_full``: how many, and their seconds, included in ``seconds``).
 
 Run: ``python -m tests.benchmarks.bench_prediction`` (writes tests/benchmarks/results/prediction.json).
 """
@@ -27,6 +31,7 @@ Run: ``python -m tests.benchmarks.bench_prediction`` (writes tests/benchmarks/re
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import platform
@@ -64,9 +69,7 @@ def bert_fit(predict: str, n: int) -> dict[str, Any]:
         },
         "memory": {"budget": BUDGET},
     }
-    finder = ScheduledBatchSizeFinder(
-        schedule, sample_size=bench_buckets.text_tokens, verbose=False, write_report=False
-    )
+    finder = TimedFinder(schedule, sample_size=bench_buckets.text_tokens, verbose=False, write_report=False)
     meter = Meter(bench_buckets._bert_tokens)
     trainer = pl.Trainer(
         max_epochs=2,
@@ -80,10 +83,12 @@ def bert_fit(predict: str, n: int) -> dict[str, Any]:
         accelerator="cpu",
         devices=1,
     )
-    trainer.fit(model)
+    gc.collect()  # the last fit's garbage is not this fit's cost (see the module doc)
+    with FullCollections() as collections:
+        trainer.fit(model)
     budget = parse_byte_size(BUDGET)
     out: dict[str, Any] = {"searches": [], "epochs": []}
-    for event, epoch in zip(finder.history, meter.epochs, strict=False):
+    for event, epoch, window in zip(finder.history, meter.epochs, finder.windows, strict=False):
         mean_step = epoch["seconds"] / max(epoch["steps"], 1)
         errors = [round(e, 4) for e in event.prediction_errors if e is not None]
         out["searches"].append(
@@ -99,6 +104,7 @@ def bert_fit(predict: str, n: int) -> dict[str, Any]:
                 "bucket_bounds": event.bucket_bounds,
                 "bucket_samples": event.bucket_samples,
                 "prediction_errors": errors,
+                "gc_full": collections.inside(*window),
             }
         )
         out["epochs"].append(
@@ -113,6 +119,48 @@ def bert_fit(predict: str, n: int) -> dict[str, Any]:
             }
         )
     return out
+
+
+class TimedFinder(ScheduledBatchSizeFinder):
+    """The finder, with the wall-clock window of each search (to place CPython's full collections)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.windows: list[tuple[float, float]] = []
+
+    def _search(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return super()._search(*args, **kwargs)
+        finally:
+            self.windows.append((started, time.perf_counter()))
+
+
+class FullCollections:
+    """CPython's full (generation 2) collections while active: when each started and how long it took."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.spans.append((self._started, time.perf_counter() - self._started))
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def inside(self, start: float, end: float) -> dict[str, Any]:
+        chosen = [seconds for began, seconds in self.spans if start <= began <= end]
+        return {"count": len(chosen), "seconds": round(sum(chosen), 3)}
 
 
 def _split_utilisation(peaks: list[int], lengths: list[int], budget: int) -> dict[str, Any]:

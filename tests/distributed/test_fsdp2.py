@@ -25,7 +25,19 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "fsdp2" / "run_fsdp2.py"
 TIMEOUT_S = 240  # below the suite's per-test timeout, so a hang fails the tests with the runs' output
 # all run at once in the module's fixture (one batch of 2-rank subprocesses)
-SCENARIOS = ("forward", "backward", "unfreeze", "features", "error", "fts", "stages", "clip", "predict", "predict_off")
+SCENARIOS = (
+    "forward",
+    "backward",
+    "unfreeze",
+    "features",
+    "error",
+    "fts",
+    "stages",
+    "clip",
+    "predict",
+    "predict_off",
+    "predict_bf16",
+)
 FTS_TRANSITIONS = [2, 4]  # tests/fts/epoch_driven.yaml: phase 1 at epoch 2, phase 2 at epoch 4
 
 
@@ -131,7 +143,10 @@ def test_predict_under_fsdp2_traces_each_ranks_step_and_verifies_with_fewer_prob
     unfrozen at epoch 1): both searches are predicted (each rank traces the plain module on its batch and counts
     its shards: retune.prediction.sharded), the ranks agree on every decision, every kept size was verified by a
     real probe within the budget, the sizes are the ones real probes alone find (within 5%), with 2-3 real probes
-    per search where ``predict: off`` needs 7-13, and every verified prediction is within 5% of the peak."""
+    per search where ``predict: off`` needs 7-13, and every verified prediction is 2% under to 15% over the peak
+    (measured: +2.3% and +2.4% at fit start, +11.1% to +12.1% after the unfreeze, where what FSDP2 allocates to
+    reduce the largest group, counted at the compute peak, is 11% of this small model's peak: from above on
+    purpose, retune.prediction.sharded)."""
     rank0, rank1 = _ranks(runs["predict"])
     off, _ = _ranks(runs["predict_off"])
     assert _decisions(rank0) == _decisions(rank1)
@@ -145,9 +160,32 @@ def test_predict_under_fsdp2_traces_each_ranks_step_and_verifies_with_fewer_prob
         assert abs(event["batch_size_after"] - probed["batch_size_after"]) <= 0.05 * probed["batch_size_after"]
         assert len(event["trials"]) <= 3 < len(probed["trials"])
         for predicted, measured in zip(event["predicted_bytes"], event["peak_bytes"], strict=True):
-            assert measured is not None and abs(predicted - measured) <= 0.05 * measured
+            assert measured is not None and -0.02 * measured <= predicted - measured <= 0.15 * measured
     frozen, unfrozen = (e["batch_size_after"] for e in rank0["history"])
     assert unfrozen < frozen
+
+
+def test_predict_under_fsdp2_mixed_precision_traces_in_bfloat16_and_verifies_with_few_probes(
+    runs: dict[str, Any],
+) -> None:
+    """``search.predict: auto`` under FSDP2 with ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``
+    on the Linear groups (it fell back to real probes before), everything trainable, searched at fit start and at
+    epoch 1 (no unfreeze: torch's FSDP2 fails there under mixed precision, retune or not): both searches are
+    predicted (forward and backward traced in bfloat16, the update apart, on the float32 shards), the ranks
+    agree, every kept size was verified within the budget by at most 3 real probes, and every verified
+    prediction is 2% under to 15% over its peak."""
+    rank0, rank1 = _ranks(runs["predict_bf16"])
+    assert _decisions(rank0) == _decisions(rank1)
+    assert rank0["computed_in"] == ["torch.bfloat16"]
+    assert [e["trigger"] for e in rank0["history"]] == ["fit_start", "epoch"]
+    for event in rank0["history"]:
+        assert event["prediction"] == "predicted" and event["note"] == "", event["note"]
+        assert _verified(event)
+        peaks = [p for p, (_, fits) in zip(event["peak_bytes"], event["trials"], strict=True) if fits]
+        assert max(peaks) <= event["budget_bytes"]
+        assert len(event["trials"]) <= 3
+        for predicted, measured in zip(event["predicted_bytes"], event["peak_bytes"], strict=True):
+            assert measured is not None and -0.02 * measured <= predicted - measured <= 0.15 * measured
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,10 @@ Scenarios (argv[1]):
              trace of each rank's step and its per-rank account of the shards; BackboneFinetuning unfreezes at
              epoch 1 (AdamW): predicted at fit start and at the re-tune
   predict_off           the same with predict off: the sizes real probes alone find
+  predict_bf16          predict with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) on the Linear
+             groups (the root's BatchNorm stays float32, as its running statistics), everything trainable, searched
+             at fit start and at epoch 1: forward and backward traced with those groups in bfloat16, the update
+             apart
   predict_reference     no retune; the epochs run at the sizes given in argv[3]: the predict run's exactness baseline
   clip       gradient_clip_val=1.0 (clip_grad_norm_ over DTensor gradients: a DTensor all-reduce of the
              norm); rank 1's oracle raises torch.OutOfMemoryError in on_before_optimizer_step, after
@@ -43,11 +47,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader
 
 from retune import ScheduledBatchSizeFinder
-from retune.distributed.fsdp2 import fsdp_modules
+from retune.distributed.fsdp2 import compute_dtypes, fsdp_modules
 from retune.distributed.local_shards import local
 from retune.probing.snapshot import TrainingSnapshot
 from tests.helpers.dist_utils import leave_rank
@@ -96,12 +100,17 @@ class ShardedModel(FineTuneModel):
         if fsdp_modules(self):  # Lightning calls it again for test and predict: shard once
             return
         mesh = self.device_mesh["data_parallel"]
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.scenario == "predict_bf16"
+            else MixedPrecisionPolicy()
+        )
         for layer in (self.backbone[0], self.backbone[3], self.head):
-            fully_shard(layer, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
         # the root group holds what is left (the BatchNorm). Resharded after forward: a validation forward
         # would otherwise leave its parameters unsharded, and BackboneFinetuning compares them with the
         # optimizer's sharded ones (torch.equal of a tensor and a DTensor fails), with or without retune
-        fully_shard(self, mesh=mesh, reshard_after_forward=True)
+        fully_shard(self, mesh=mesh, reshard_after_forward=True)  # the BatchNorm stays float32, as its buffers
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch = x.shape[0]
@@ -179,11 +188,12 @@ PREDICT_BUDGET = "160KiB"
 
 
 def schedule_for(scenario: str) -> Any:
-    if scenario in ("predict", "predict_off"):
+    if scenario in ("predict", "predict_off", "predict_bf16"):
+        again = {"kind": "epoch", "at": [1]} if scenario == "predict_bf16" else {"kind": "trainable_params_changed"}
         return {
-            "search": {"predict": "auto" if scenario == "predict" else "off", "max_val": 512},
+            "search": {"predict": "off" if scenario == "predict_off" else "auto", "max_val": 512},
             "memory": {"budget": PREDICT_BUDGET},
-            "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],
+            "triggers": [{"kind": "fit_start"}, again],
         }
     if scenario in ("unfreeze", "reference"):
         return "schedules/freeze_unfreeze.yaml"
@@ -231,7 +241,9 @@ def main() -> None:
     pl.seed_everything(0)
     predicting = scenario.startswith("predict")
     reference = scenario in ("reference", "predict_reference")
-    unfreeze = scenario in ("unfreeze", "reference", "features") or predicting
+    # no unfreeze under mixed precision: torch 2.13's FSDP2 fails the first step after requires_grad flips there
+    # (foreach_reduce assigns a bfloat16 gradient to a float32 parameter), with retune or without it
+    unfreeze = scenario in ("unfreeze", "reference", "features") or (predicting and scenario != "predict_bf16")
     model = ShardedModel(
         scenario,
         sizes=sizes,
@@ -292,6 +304,7 @@ def main() -> None:
         # this rank's shards: compared with the same rank of another run, no collective needed
         shards=[local(p).detach().reshape(-1).tolist() for p in model.parameters()],
         sharded=[type(p).__name__ for p in model.parameters()],
+        computed_in=sorted({str(dtype) for dtype in compute_dtypes(model).values()}),
         report=finder.report_paths is not None,
         epoch_trainable=model.epoch_trainable,
         fts_depth=None if fts is None else fts.curr_depth,

@@ -2,9 +2,12 @@
 
 Plain torch, no Lightning: 4 ``Linear(512, 512)`` + a head, each ``fully_shard``-ed, then the root; AdamW without
 state yet (the state the first update creates is half on each rank). Each rank traces one step at each size
-(``steps=1``, as a search's Tracer does), predicts its peak, then measures a real step at that size after the
-state exists (the steady state a prediction is for) with the CPU tracker. Writes ``rank{r}.json`` into argv[1].
-Run by tests/prediction/test_fsdp2_trace.py in a subprocess with a timeout.
+(``steps=1``, each gradient the rank's shard once reduced, as a search's Tracer does), predicts its peak, then
+measures a real step at that size after the state exists (the steady state a prediction is for) with the CPU
+tracker. Writes ``rank{r}.json`` into argv[1]. With argv[2] ``bf16`` every group has
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: the step is traced in bfloat16
+(``compute_dtypes``) and its update apart (``trace_update``), as a search's Tracer does. Run by
+tests/prediction/test_fsdp2_trace.py in a subprocess with a timeout.
 """
 
 from __future__ import annotations
@@ -22,17 +25,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-SIZES = (2, 64, 256)
+SIZES = (2, 64, 256, 1024)
 
 
-def _rank(rank: int, out: str, store: str) -> None:
+def _rank(rank: int, out: str, store: str, precision: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from retune.distributed.fsdp2 import ShardAccount
+    from retune.distributed.fsdp2 import ShardAccount, compute_dtypes, gradient_shards
     from retune.memory import measure_peak, resident_bytes
     from retune.prediction.sharded import rank_peak
-    from retune.prediction.trace import StepTrace, trace_step
+    from retune.prediction.trace import OptimizerPhase, StepTrace, trace_step, trace_update
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -40,9 +43,14 @@ def _rank(rank: int, out: str, store: str) -> None:
         mesh = init_device_mesh("cpu", (2,))
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)], nn.Linear(512, 4))
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
         for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.parameters())
 
         def step(batch: Any, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -56,21 +64,34 @@ def _rank(rank: int, out: str, store: str) -> None:
             g = torch.Generator().manual_seed(size)
             return torch.randn(size, 512, generator=g), torch.randint(0, 4, (size,), generator=g)
 
-        grads = sum(p.numel() * p.element_size() for p in model.parameters())
+        dtypes = compute_dtypes(model)
+        shards = gradient_shards(model)  # what the trace holds of each gradient once reduced
         account = ShardAccount.of(model, [optimizer], resident_bytes(model, [optimizer]))
+        phase = trace_update(model, [optimizer]) if dtypes else None
+        assert phase is None or isinstance(phase, OptimizerPhase), phase
         predicted = {}
         for size in SIZES:
-            traced = trace_step(model, [optimizer], batch(2), size, step, steps=1)
+            traced = trace_step(
+                model,
+                [optimizer],
+                batch(2),
+                size,
+                step,
+                steps=1,
+                optimizer=phase,
+                compute_dtypes=dtypes,
+                reduced_gradients=shards,
+            )
             assert isinstance(traced, StepTrace), traced
             # a probe's peak holds its batch (here made inside the measured block)
-            predicted[size] = rank_peak(traced, account, grads) + size * (512 * 4 + 8)
+            predicted[size] = rank_peak(traced, account, sum(shards.values())) + size * (512 * 4 + 8)
         step(batch(2), [optimizer])  # the state exists from here: a steady step
         measured = {}
         for size in SIZES:
             with measure_peak(torch.device("cpu"), model, [optimizer]) as reading:
                 step(batch(size), [optimizer])
             measured[size] = reading.peak_bytes
-        result = {"fraction": account.fraction, "predicted": predicted, "measured": measured}
+        result = {"fraction": account.fraction, "predicted": predicted, "measured": measured, "cast": len(dtypes)}
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -79,4 +100,5 @@ def _rank(rank: int, out: str, store: str) -> None:
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     folder = sys.argv[1]
-    mp.start_processes(_rank, args=(folder, os.path.join(folder, "store")), nprocs=2, start_method="spawn")
+    precision = sys.argv[2] if len(sys.argv) > 2 else "fp32"
+    mp.start_processes(_rank, args=(folder, os.path.join(folder, "store"), precision), nprocs=2, start_method="spawn")

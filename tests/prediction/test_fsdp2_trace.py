@@ -1,6 +1,7 @@
 """Predicting an FSDP2 step on one rank (a one-rank gloo mesh, ``gloo_group``): the unsharded fake trace, the rank's
-account of its shards, the tracker's count of the storages FSDP2 resizes in place, and the mixed-precision
-fallback. Two ranks through Lightning: tests/distributed/test_fsdp2.py (``predict``).
+account of its shards, the tracker's count of the storages FSDP2 resizes in place, and mixed precision (traced in
+the dtype FSDP2 computes in). Two ranks: tests/fsdp2/run_rank_peak.py (plain torch) and
+tests/distributed/test_fsdp2.py (through Lightning, ``predict``).
 
 No out-of-memory error is involved: every peak here is a real CPU tracker count or a trace.
 """
@@ -16,11 +17,19 @@ import pytest
 import torch
 from torch import nn
 
-from retune.distributed.fsdp2 import ShardAccount, fsdp_modules, hooks_removed, why_not_traced
+from retune.distributed.fsdp2 import (
+    ShardAccount,
+    compute_dtypes,
+    fsdp_modules,
+    gradient_shards,
+    hooks_removed,
+    why_not_traced,
+)
 from retune.distributed.local_shards import local
 from retune.memory import CpuPeakTracker, measure_peak, resident_bytes
 from retune.prediction import StepTrace, trace_step
 from retune.prediction.sharded import rank_peak
+from retune.prediction.trace import OptimizerPhase, trace_update
 from tests.helpers.dist_utils import run_rank_scripts
 
 pytest.importorskip("torch.distributed.fsdp")
@@ -64,9 +73,11 @@ def _batch(size: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(size, 8, generator=g), torch.randint(0, 4, (size,), generator=g)
 
 
-def _trace(model: nn.Module, optimizer: torch.optim.Optimizer, size: int, stepping: list[nn.Module]) -> StepTrace:
+def _trace(
+    model: nn.Module, optimizer: torch.optim.Optimizer, size: int, stepping: list[nn.Module], **kwargs: Any
+) -> StepTrace:
     stepping[:] = [model]
-    result = trace_step(model, [optimizer], _batch(), size, _step, steps=1)
+    result = trace_step(model, [optimizer], _batch(), size, _step, steps=1, **kwargs)
     assert isinstance(result, StepTrace), result
     return result
 
@@ -139,27 +150,32 @@ def test_the_ranks_account_counts_its_shards_and_the_two_largest_gathered_groups
     assert account.fraction == 1.0  # one rank: its shard is the whole tensor
     assert account.gathered == group_bytes[0] + group_bytes[1]
     assert account.gradients == sum(p.numel() for p in model.parameters()) * 4
-    assert account.fixed(created_whole=1000) == account.resident + account.gradients + 1000 + account.gathered
+    assert account.reducing == group_bytes[0]  # the largest group's whole gradients, in the dtype it reduces in
+    fixed = account.resident + account.gradients + 1000 + account.gathered + account.reducing
+    assert account.fixed(created_whole=1000) == fixed
 
 
-def test_the_prediction_with_the_ranks_account_is_within_10_percent_of_the_measured_fsdp2_peak(
+def test_the_prediction_with_the_ranks_account_is_within_20_percent_over_the_measured_fsdp2_peak(
     gloo_group: Any, stepping: list[nn.Module]
 ) -> None:
     """What a search predicts for a rank (:func:`rank_peak`: the trace with the rank's account of its shards) against
-    the CPU tracker's peak of a real FSDP2 step at the same size: at 64 samples the peak is the update's (-0.2%
-    here), at 512 the backward's (+8.3%). Tolerance: 2% under, 10% over. The activations are traced exactly (the
-    first test); what FSDP2 has gathered at the compute peak is estimated from above (the two largest groups,
-    96% of this model's parameters in one group; the real peak holds only the last group). Over is safe (a
-    smaller first probe); the verifying probes and the calibration correct the constant in a search."""
+    the CPU tracker's peak of a real FSDP2 step at the same size: +11.9% at 64 samples, +17.2% at 512. Tolerance:
+    2% under, 20% over. The activations are traced exactly (the first test); the rest is estimated from above,
+    on purpose: what FSDP2 has gathered at the compute peak (the two largest groups, 96% of this model's
+    parameters in one group; the real peak holds only the last group) and what it allocates to reduce (the
+    largest group's gradients, which it reduces late in backward, when the activations are freed). Over is safe
+    (a smaller first probe); the verifying probes and the calibration correct the constant in a search. On 2
+    ranks, where a rank's gradients and state are halves, the same account is 0-5% over (run_rank_peak.py)."""
     model = _shard(_layers())
     optimizer = torch.optim.AdamW(model.parameters())
     _real_step(model, optimizer, 4)
     account = ShardAccount.of(model, [optimizer], resident_bytes(model, [optimizer]))
-    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    shards = gradient_shards(model)
     for size in (64, 512):
-        predicted = rank_peak(_trace(model, optimizer, size, stepping), account, grads)
+        traced = _trace(model, optimizer, size, stepping, reduced_gradients=shards)
+        predicted = rank_peak(traced, account, sum(shards.values()))
         measured = _real_step(model, optimizer, size)
-        assert -0.02 <= (predicted - measured) / measured <= 0.10, (size, predicted, measured)
+        assert -0.02 <= (predicted - measured) / measured <= 0.20, (size, predicted, measured)
 
 
 def test_the_tracker_counts_fsdp2s_unsharded_parameters_the_same_on_every_step(gloo_group: Any) -> None:
@@ -189,22 +205,70 @@ def test_a_storage_resized_in_place_is_counted_at_its_size_now() -> None:
     assert tracker.peak_bytes == 5000
 
 
-def test_mixed_precision_fsdp2_is_not_traced_and_says_why(gloo_group: Any) -> None:
+def test_mixed_precision_fsdp2_is_traced_in_the_dtype_it_computes_in(gloo_group: Any) -> None:
+    """Which parameters FSDP2's ``MixedPrecisionPolicy`` gathers and computes in another dtype than they are stored
+    in: every floating-point one where ``param_dtype`` differs, none stored in it already; such a model is traced
+    (``why_not_traced``: None)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    assert why_not_traced(_shard(_layers())) is None
-    model = _shard(_layers(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    reason = why_not_traced(model)
-    assert reason is not None and "MixedPrecisionPolicy" in reason and "param_dtype=torch.bfloat16" in reason
-    outputs = _shard(_layers(), mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16))
-    assert "output_dtype=torch.bfloat16" in (why_not_traced(outputs) or "")
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    assert why_not_traced(_shard(_layers())) is None and compute_dtypes(_shard(_layers())) == {}
+    model = _shard(_layers(), mp_policy=bf16)
+    assert why_not_traced(model) is None
+    assert compute_dtypes(model) == {id(p): torch.bfloat16 for p in model.parameters()}
     mixed = _layers()
     mixed[4].to(torch.bfloat16)  # type: ignore[index]  # one group already bf16: only the others are cast
-    assert "param_dtype" in (
-        why_not_traced(_shard(mixed, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))) or ""
-    )
-    stored = _layers().to(torch.bfloat16)  # every parameter stored in the policy's dtype: nothing is cast
-    assert why_not_traced(_shard(stored, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))) is None
+    mixed = _shard(mixed, mp_policy=bf16)
+    cast = {id(p) for i in (0, 2) for p in mixed[i].parameters()}  # type: ignore[index]
+    assert set(compute_dtypes(mixed)) == cast
+    stored = _shard(_layers().to(torch.bfloat16), mp_policy=bf16)  # stored in the policy's dtype: nothing is cast
+    assert compute_dtypes(stored) == {}
+    outputs = _shard(_layers(), mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16))
+    assert why_not_traced(outputs) is None and compute_dtypes(outputs) == {}
+
+
+def test_a_mixed_precision_fsdp2_step_is_traced_as_the_plain_module_in_its_compute_dtype(
+    gloo_group: Any, stepping: list[nn.Module]
+) -> None:
+    """With ``MixedPrecisionPolicy(param_dtype=bfloat16)`` on every group and ``output_dtype=float32`` on the root,
+    on one rank, forward and backward are traced as the same model stored in bfloat16, its input cast to bfloat16
+    and its output back to float32 (what FSDP2's hooks do, done by the policy's own casts), byte for byte at
+    every size; the update is traced apart on the float32 shards (``trace_update``): the state it creates is
+    float32 (AdamW: two moments per parameter)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    sharded = _layers()
+    for index in (0, 2, 4):
+        fully_shard(sharded[index], mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))  # type: ignore[index]
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    fully_shard(sharded, mesh=mesh, mp_policy=root)
+    plain = _layers().to(torch.bfloat16)
+    sharded_opt = torch.optim.AdamW(sharded.parameters())
+    plain_opt = torch.optim.AdamW(plain.parameters())
+    phase = trace_update(sharded, [sharded_opt])
+    assert isinstance(phase, OptimizerPhase)
+    assert phase.created_bytes >= 2 * 4 * sum(p.numel() for p in sharded.parameters())  # float32 moments
+    dtypes = compute_dtypes(sharded)
+
+    def plain_step(batch: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+        x, y = batch
+        nn.functional.cross_entropy(plain(x.to(torch.bfloat16)).float(), y).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    skipped = OptimizerPhase(0, 0)  # both skip the update: forward and backward are compared
+    stepping[:] = [sharded]
+    for size in (16, 256):
+        ours = trace_step(
+            sharded, [sharded_opt], _batch(), size, _step, steps=1, optimizer=skipped, compute_dtypes=dtypes
+        )
+        theirs = trace_step(plain, [plain_opt], _batch(), size, plain_step, steps=1, optimizer=skipped)
+        assert isinstance(ours, StepTrace) and isinstance(theirs, StepTrace), (ours, theirs)
+        assert (ours.compute_bytes, ours.resident_bytes) == (theirs.compute_bytes, theirs.resident_bytes)
+    assert all(type(p).__name__ == "DTensor" and p.dtype == torch.float32 for p in sharded.parameters())
 
 
 def test_groups_kept_gathered_after_forward_count_whole_in_the_account(gloo_group: Any) -> None:
@@ -225,20 +289,24 @@ def test_groups_kept_gathered_after_forward_count_whole_in_the_account(gloo_grou
     assert account.gathered == kept + grouped  # the root holds no parameters of its own
 
 
-def test_a_ranks_prediction_from_a_fresh_optimizer_is_within_10_percent_over_its_measured_peak(
-    tmp_path: Path,
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_ranks_prediction_from_a_fresh_optimizer_is_within_1_under_and_8_percent_over_its_measured_peak(
+    tmp_path: Path, precision: str
 ) -> None:
     """2 gloo ranks (tests/fsdp2/run_rank_peak.py): AdamW without state, each rank traces one step (as a search
     does at fit start: the update creates the state, half of it on each rank) and predicts its steady peak, then
-    measures it. The state is counted once, as the rank's half (before, it was counted whole and again as the
-    rank's half: +81% on the reviewer's model), and every prediction is over by 0-10% (measured here: +9.0% at 2
-    samples, +6.6% at 64, +0.0% at 256: the gradients counted whole stand in for FSDP2's reduce buffers)."""
+    measures it, at 2, 64, 256 and 1,024 samples; in float32, and with ``MixedPrecisionPolicy(param_dtype=
+    bfloat16, reduce_dtype=float32)`` (forward and backward traced in bfloat16, the update apart). Measured here:
+    float32 +4.5%, +2.2%, -0.0002%, +4.7%; bfloat16 +5.2%, +3.8%, +0.0%, +3.1%. Before the gradients were counted
+    as the rank's shards once reduced, float32 was +9.0%, +6.6%, +0.0% and under beyond (the traced memory per
+    sample was half the measured one), and bfloat16 was not predicted at all."""
     script = Path(__file__).resolve().parents[1] / "fsdp2" / "run_rank_peak.py"
-    code, output, out = run_rank_scripts({"peak": ["{out}"]}, script, tmp_path, 120)["peak"]
+    code, output, out = run_rank_scripts({"peak": ["{out}", precision]}, script, tmp_path, 150)["peak"]
     assert code == 0, output[-4000:]
     for rank in (0, 1):
         result = json.loads((out / f"rank{rank}.json").read_text())
         assert result["fraction"] == 0.5
+        assert result["cast"] == (10 if precision == "bf16" else 0)  # every parameter computed in bfloat16
         for size, measured in result["measured"].items():
             error = (result["predicted"][size] - measured) / measured
-            assert 0 <= error <= 0.10, (rank, size, error)
+            assert -0.01 <= error <= 0.08, (rank, size, error)
