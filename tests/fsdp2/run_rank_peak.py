@@ -6,7 +6,8 @@ state yet (the state the first update creates is half on each rank). Each rank t
 measures a real step at that size after the state exists (the steady state a prediction is for) with the CPU
 tracker. Writes ``rank{r}.json`` into argv[1]. With argv[2] ``bf16`` every group has
 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``: the step is traced in bfloat16
-(``compute_dtypes``) and its update apart (``trace_update``), as a search's Tracer does. Run by
+(``compute_dtypes``) and its update apart (``trace_update``), as a search's Tracer does. argv[3]: ranks (2).
+Run by
 tests/prediction/test_fsdp2_trace.py in a subprocess with a timeout.
 """
 
@@ -28,7 +29,7 @@ from torch import nn
 SIZES = (2, 64, 256, 1024)
 
 
-def _rank(rank: int, out: str, store: str, precision: str) -> None:
+def _rank(rank: int, out: str, store: str, precision: str, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -38,9 +39,9 @@ def _rank(rank: int, out: str, store: str, precision: str) -> None:
     from retune.prediction.trace import OptimizerPhase, StepTrace, trace_step, trace_update
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        mesh = init_device_mesh("cpu", (2,))
+        mesh = init_device_mesh("cpu", (world,))
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)], nn.Linear(512, 4))
         policy = (
@@ -101,4 +102,7 @@ if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     folder = sys.argv[1]
     precision = sys.argv[2] if len(sys.argv) > 2 else "fp32"
-    mp.start_processes(_rank, args=(folder, os.path.join(folder, "store"), precision), nprocs=2, start_method="spawn")
+    world = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+    mp.start_processes(
+        _rank, args=(folder, os.path.join(folder, "store"), precision, world), nprocs=world, start_method="spawn"
+    )

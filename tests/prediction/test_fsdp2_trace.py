@@ -289,23 +289,25 @@ def test_groups_kept_gathered_after_forward_count_whole_in_the_account(gloo_grou
     assert account.gathered == kept + grouped  # the root holds no parameters of its own
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(("precision", "world"), [("fp32", 2), ("bf16", 2), ("bf16", 4)])
 def test_a_ranks_prediction_from_a_fresh_optimizer_is_within_1_under_and_8_percent_over_its_measured_peak(
-    tmp_path: Path, precision: str
+    tmp_path: Path, precision: str, world: int
 ) -> None:
-    """2 gloo ranks (tests/fsdp2/run_rank_peak.py): AdamW without state, each rank traces one step (as a search
-    does at fit start: the update creates the state, half of it on each rank) and predicts its steady peak, then
-    measures it, at 2, 64, 256 and 1,024 samples; in float32, and with ``MixedPrecisionPolicy(param_dtype=
-    bfloat16, reduce_dtype=float32)`` (forward and backward traced in bfloat16, the update apart). Measured here:
-    float32 +4.5%, +2.2%, -0.0002%, +4.7%; bfloat16 +5.2%, +3.8%, +0.0%, +3.1%. Before the gradients were counted
-    as the rank's shards once reduced, float32 was +9.0%, +6.6%, +0.0% and under beyond (the traced memory per
-    sample was half the measured one), and bfloat16 was not predicted at all."""
+    """2 and 4 gloo ranks (tests/fsdp2/run_rank_peak.py): AdamW without state, each rank traces one step (as a
+    search does at fit start: the update creates the state, a share of it on each rank) and predicts its steady
+    peak, then measures it, at 2, 64, 256 and 1,024 samples; in float32, and with ``MixedPrecisionPolicy(
+    param_dtype=bfloat16, reduce_dtype=float32)`` (forward and backward traced in bfloat16, the update apart).
+    Measured here: 2 ranks float32 +4.5%, +2.2%, -0.0002%, +4.7%; bfloat16 +5.2%, +3.8%, +0.0%, +3.1%; 4 ranks
+    bfloat16 +4.1%, +2.0%, -0.0%, +5.9% (there a bfloat16 gradient, 2 bytes per element whole, is recounted to
+    its float32 quarter, 1 byte per element: on 2 ranks the two are equal). Before the gradients were counted
+    as the rank's shards once reduced, float32 was +9.0%, +6.6%, +0.0% (the traced memory per sample half the
+    measured one) and bfloat16 was not predicted at all."""
     script = Path(__file__).resolve().parents[1] / "fsdp2" / "run_rank_peak.py"
-    code, output, out = run_rank_scripts({"peak": ["{out}", precision]}, script, tmp_path, 150)["peak"]
+    code, output, out = run_rank_scripts({"peak": ["{out}", precision, str(world)]}, script, tmp_path, 150)["peak"]
     assert code == 0, output[-4000:]
-    for rank in (0, 1):
+    for rank in range(world):
         result = json.loads((out / f"rank{rank}.json").read_text())
-        assert result["fraction"] == 0.5
+        assert result["fraction"] == 1 / world
         assert result["cast"] == (10 if precision == "bf16" else 0)  # every parameter computed in bfloat16
         for size, measured in result["measured"].items():
             error = (result["predicted"][size] - measured) / measured
