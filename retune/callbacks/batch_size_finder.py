@@ -23,6 +23,7 @@ from retune.callbacks.oom_recovery import OomRecovery, split_state
 from retune.callbacks.stage_attrs import StageAttrs
 from retune.callbacks.trainer_view import training_view
 from retune.events import Direction, RetuneEvent, Trial
+from retune.prediction.reuse import forget as forget_traces
 from retune.probing.probe_batches import ProbeBatches
 from retune.probing.timing import Clock
 from retune.recovery.split import SplitFn
@@ -159,6 +160,7 @@ class ScheduledBatchSizeFinder(RetuneCallback):
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         if self._disabled:
             return
+        forget_traces(pl_module)  # a fit's first predicted search traces: nothing carried from another fit
         self._move_last(trainer)  # again: another callback's setup may have rebuilt the list
         no_slack = self.schedule.search.margin == 0 or self.schedule.search.mode == "power"  # power applies none
         if no_slack and stats_for(pl_module.device) is not None and not expandable_segments():

@@ -39,6 +39,7 @@ from typing import Any
 from retune import compat
 from retune.distributed.fsdp2 import ShardAccount, compute_dtypes, gradient_shards, why_not_traced
 from retune.memory import resident_bytes
+from retune.prediction.reuse import memo_for, trace_key
 from retune.probing.prober import Prober
 from retune.search.largest import SearchPlan
 from retune.search.predicted import PredictedResult, predict_largest, run_predicted_search
@@ -90,6 +91,9 @@ class Tracer:
     """After a trace: what does not grow with the batch, agreed across ranks (parameters, buffers and optimizer
     state, traced, plus the trainable parameters' gradients; under FSDP2 the rank's account of them:
     :meth:`retune.distributed.fsdp2.ShardAccount.fixed`)."""
+    reused: int = 0
+    """Predictions taken from an earlier trace of the same training state, batch and size
+    (:mod:`retune.prediction.reuse`), without tracing."""
     optimizer: Any = None
     """The optimizer update the first trace measured (:class:`retune.prediction.trace.OptimizerPhase`): later
     traces of this search reuse it and run forward and backward only (the state is the same; only the batch
@@ -100,12 +104,21 @@ class Tracer:
         from retune.prediction.trace import CannotPredict, trace_training_step, trace_update
 
         started = time.perf_counter()
+        optimizers = list(self.trainer.optimizers)
+        memo = memo_for(self.pl_module)
+        key = trace_key(self.pl_module, optimizers, self.batch, size, compat.is_sharded(self.trainer))
+        remembered = memo.get(key)
+        if remembered is not None:  # the same training state traced at this size before: the same prediction
+            kept, phase = remembered
+            self.optimizer = self.optimizer or phase
+            self.reused += 1
+            self.seconds += time.perf_counter() - started
+            return self._agreed(kept)
         account = None
         dtypes: dict[int, Any] = {}
         shards: dict[int, int] = {}
         result: Any = None
         if compat.is_sharded(self.trainer):  # the trace counts the whole state: this rank holds shards
-            optimizers = list(self.trainer.optimizers)
             account = ShardAccount.of(self.pl_module, optimizers, resident_bytes(self.pl_module, optimizers))
             shards = gradient_shards(self.pl_module)  # each gradient whole when made, the rank's shard once reduced
             dtypes = compute_dtypes(self.pl_module)  # FSDP2's mixed precision: computed in another dtype
@@ -139,6 +152,11 @@ class Tracer:
                 peak = rank_peak(result, account, sum(shards.values())) + result.batch_bytes
                 fixed = float(account.fixed(result.created_bytes))
             local = (peak, fixed)
+            memo.put(key, (local, self.optimizer))
+        return self._agreed(local)
+
+    def _agreed(self, local: tuple[float, float] | str) -> float:
+        """This rank's ``(peak, fixed)`` (or why it cannot trace) agreed across ranks: the largest peak."""
         gathered = compat.all_gather_object(self.trainer, local)
         reasons = [value for value in gathered if isinstance(value, str)]
         if reasons:
