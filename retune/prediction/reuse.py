@@ -26,17 +26,21 @@ False
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 
 from retune.distributed.local_shards import local
 
-__all__ = ["TraceMemo", "forget", "memo_for", "trace_key"]
+__all__ = ["TraceMemo", "Unkeyable", "forget", "memo_for", "trace_key"]
+
+
+class Unkeyable(Exception):
+    """Something a trace depends on that :func:`trace_key` cannot describe: that trace is not remembered."""
 
 
 def _tensor(tensor: torch.Tensor) -> Hashable:
@@ -56,12 +60,47 @@ def _option(value: Any) -> Hashable:
     return type(value).__name__
 
 
+def _state_value(value: Any) -> Hashable:
+    """A value of an optimizer's state: a tensor by its shape, dtype and device, a plain number by its type (a
+    step count changes at every step, its memory does not); anything else is not described."""
+    if isinstance(value, torch.Tensor):
+        return _tensor(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return type(value).__name__
+    raise Unkeyable(f"optimizer state holds a {type(value).__name__}")
+
+
+def _batch(value: Any) -> Hashable:
+    """A batch as a trace sees it (:func:`retune.prediction.fake_batch.fake_batch`'s walk): each tensor by its
+    dtype, device and per-sample shape, each plain value as it is (a step may branch on it), containers by
+    their type and their items; anything else is not described."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), str(value.device), tuple(value.shape[1:]) if value.dim() else None)
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, Mapping):
+        return (type(value).__qualname__, tuple((key, _batch(item)) for key, item in value.items()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = tuple((f.name, _batch(getattr(value, f.name))) for f in dataclasses.fields(value))
+        return (type(value).__qualname__, fields)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__qualname__, tuple(_batch(item) for item in value))
+    raise Unkeyable(f"a {type(value).__name__} in the batch")
+
+
 def trace_key(
     module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer], batch: Any, size: int, *extra: Hashable
 ) -> Hashable:
-    """Everything a trace of ``module``'s step on ``batch`` at ``size`` depends on but its code (module doc)."""
-    ids = {id(p): i for i, p in enumerate(module.parameters())}
-    params = tuple((name, _tensor(p)) for name, p in module.named_parameters(remove_duplicate=False))
+    """Everything a trace of ``module``'s step on ``batch`` at ``size`` depends on but its code (module doc).
+
+    Raises :class:`Unkeyable` where something is not described (a batch or optimizer state of a kind it does not
+    know): such a trace is not remembered."""
+    ids: dict[int, int] = {}
+    for p in module.parameters():
+        ids.setdefault(id(p), len(ids))
+    params = tuple(
+        (name, ids[id(p)], _tensor(p)) for name, p in module.named_parameters(remove_duplicate=False)
+    )  # the index: which names share one tensor (tied weights)
     buffers = tuple((name, _tensor(b)) for name, b in module.named_buffers() if b is not None)
     modes = tuple(sub.training for sub in module.modules())
     optimizer_keys = []
@@ -69,27 +108,18 @@ def trace_key(
         groups = tuple(
             (
                 tuple(ids.get(id(p), -1) for p in group["params"]),
-                tuple(sorted((k, _option(v)) for k, v in group.items() if k != "params")),
+                tuple(sorted((str(k), _option(v)) for k, v in group.items() if k != "params")),
             )
             for group in optimizer.param_groups
         )
-        state = tuple(
-            tuple(
-                sorted(
-                    (k, _tensor(v) if isinstance(v, torch.Tensor) else type(v).__name__)
-                    for k, v in optimizer.state.get(p, {}).items()
-                )
-            )
-            for group in optimizer.param_groups
-            for p in group["params"]
-        )
-        optimizer_keys.append((type(optimizer).__qualname__, groups, state))
-    leaves, spec = tree_flatten(batch)
-    shapes = tuple(
-        (str(leaf.dtype), tuple(leaf.shape[1:])) if isinstance(leaf, torch.Tensor) else type(leaf).__name__
-        for leaf in leaves
-    )
-    return (type(module).__qualname__, params, buffers, modes, tuple(optimizer_keys), str(spec), shapes, size, extra)
+        state = []
+        for owner, values in optimizer.state.items():
+            if not isinstance(owner, torch.Tensor) or not isinstance(values, Mapping):
+                raise Unkeyable(f"optimizer state under a {type(owner).__name__}")
+            described = tuple(sorted((str(k), _state_value(v)) for k, v in values.items()))
+            state.append((ids.get(id(owner), -1), _tensor(owner), described))
+        optimizer_keys.append((type(optimizer).__qualname__, groups, tuple(sorted(state, key=repr))))
+    return (type(module).__qualname__, params, buffers, modes, tuple(optimizer_keys), _batch(batch), size, extra)
 
 
 class TraceMemo:

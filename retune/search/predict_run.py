@@ -39,7 +39,7 @@ from typing import Any
 from retune import compat
 from retune.distributed.fsdp2 import ShardAccount, compute_dtypes, gradient_shards, why_not_traced
 from retune.memory import resident_bytes
-from retune.prediction.reuse import memo_for, trace_key
+from retune.prediction.reuse import TraceMemo, Unkeyable, memo_for, trace_key
 from retune.probing.prober import Prober
 from retune.search.largest import SearchPlan
 from retune.search.predicted import PredictedResult, predict_largest, run_predicted_search
@@ -105,9 +105,9 @@ class Tracer:
 
         started = time.perf_counter()
         optimizers = list(self.trainer.optimizers)
-        memo = memo_for(self.pl_module)
-        key = trace_key(self.pl_module, optimizers, self.batch, size, compat.is_sharded(self.trainer))
-        remembered = memo.get(key)
+        sharded = compat.is_sharded(self.trainer)
+        memo, key = self._memo_key(optimizers, size, sharded)
+        remembered = None if memo is None else memo.get(key)
         if remembered is not None:  # the same training state traced at this size before: the same prediction
             kept, phase = remembered
             self.optimizer = self.optimizer or phase
@@ -118,7 +118,7 @@ class Tracer:
         dtypes: dict[int, Any] = {}
         shards: dict[int, int] = {}
         result: Any = None
-        if compat.is_sharded(self.trainer):  # the trace counts the whole state: this rank holds shards
+        if sharded:  # the trace counts the whole state: this rank holds shards
             account = ShardAccount.of(self.pl_module, optimizers, resident_bytes(self.pl_module, optimizers))
             shards = gradient_shards(self.pl_module)  # each gradient whole when made, the rank's shard once reduced
             dtypes = compute_dtypes(self.pl_module)  # FSDP2's mixed precision: computed in another dtype
@@ -152,8 +152,24 @@ class Tracer:
                 peak = rank_peak(result, account, sum(shards.values())) + result.batch_bytes
                 fixed = float(account.fixed(result.created_bytes))
             local = (peak, fixed)
-            memo.put(key, (local, self.optimizer))
+            if memo is not None:
+                memo.put(key, (local, self.optimizer))
         return self._agreed(local)
+
+    def _memo_key(self, optimizers: list[Any], size: int, sharded: bool) -> tuple[TraceMemo | None, Any]:
+        """The module's memo of traces and this trace's key (:mod:`retune.prediction.reuse`); no memo where the
+        key cannot be made (a batch or optimizer state it cannot describe, a module that cannot be a weak key).
+        Under FSDP2 the dtypes each parameter is computed in are part of the key."""
+        module = self.pl_module
+        try:
+            extra: tuple[Any, ...] = ()
+            if sharded:
+                dtypes = compute_dtypes(module)
+                extra = (True, tuple(str(dtypes.get(id(p))) for p in module.parameters()))
+            key = trace_key(module, optimizers, self.batch, size, *extra)
+            return memo_for(module), key
+        except (Unkeyable, TypeError):
+            return None, None
 
     def _agreed(self, local: tuple[float, float] | str) -> float:
         """This rank's ``(peak, fixed)`` (or why it cannot trace) agreed across ranks: the largest peak."""

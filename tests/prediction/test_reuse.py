@@ -9,14 +9,18 @@ first search traces (the memo is emptied at fit start).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections import UserDict
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from retune import ScheduledBatchSizeFinder
-from retune.prediction.reuse import TraceMemo, trace_key
+from retune.prediction import reuse
+from retune.prediction.reuse import TraceMemo, Unkeyable, trace_key
 from retune.search.predict_run import Tracer
 from tests.helpers import bucket_data
 from tests.helpers.lightning_ns import pl, seed
@@ -51,6 +55,49 @@ def test_the_key_follows_what_a_traces_memory_depends_on() -> None:
     nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
     optimizer.step()  # the state exists now
     assert _key(model, optimizer, batch) != key
+
+
+@dataclasses.dataclass
+class _Batch:
+    ids: torch.Tensor
+    label: torch.Tensor
+
+
+class _Encoding(UserDict):  # type: ignore[type-arg]  # a mapping of its own type, as transformers' BatchEncoding
+    pass
+
+
+def test_the_key_reads_every_tensor_of_a_container_batch_and_its_plain_values() -> None:
+    """A dataclass, a mapping of its own type (transformers' ``BatchEncoding`` is one), a plain value in the batch:
+    each changes the key when a per-sample shape or the value changes; a batch object retune cannot read is not
+    keyed (``Unkeyable``: that trace is not remembered)."""
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for short, long in (
+        (_Batch(torch.zeros(2, 128), torch.zeros(2)), _Batch(torch.zeros(2, 512), torch.zeros(2))),
+        (_Encoding(input_ids=torch.zeros(2, 128)), _Encoding(input_ids=torch.zeros(2, 512))),
+        ({"x": torch.zeros(2, 4), "max_len": 128}, {"x": torch.zeros(2, 4), "max_len": 512}),
+    ):
+        assert _key(model, optimizer, short) == _key(model, optimizer, short)
+        assert _key(model, optimizer, short) != _key(model, optimizer, long), type(short)
+    with pytest.raises(Unkeyable):
+        _key(model, optimizer, object())
+
+
+def test_a_trace_that_cannot_be_keyed_is_traced_and_not_remembered() -> None:
+    """A module that cannot be a weak key (``__eq__`` without ``__hash__``) or a batch the key cannot read: the
+    tracer gets no memo and traces as before."""
+
+    class Unhashable(nn.Linear):
+        def __eq__(self, other: object) -> bool:
+            return self is other
+
+        __hash__ = None  # type: ignore[assignment]
+
+    tracer = Tracer(None, Unhashable(4, 2), torch.zeros(2, 4))
+    assert tracer._memo_key([], 8, False) == (None, None)
+    tracer = Tracer(None, nn.Linear(4, 2), object())
+    assert tracer._memo_key([], 8, False) == (None, None)
 
 
 def test_the_memo_keeps_the_last_entries() -> None:
@@ -92,12 +139,15 @@ def test_a_bucketed_search_after_nothing_changed_runs_no_trace_and_finds_the_sam
         def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
             counts.append(len(traced))
 
-    seed(0)
-    schedule = bucket_data.schedule(predict="auto")
-    schedule["triggers"] = [{"kind": "fit_start"}, {"kind": "epoch", "at": [1, 2]}]
-    finder = ScheduledBatchSizeFinder(schedule, sample_size=tokens, verbose=False, write_report=False)
-    bucket_data.trainer([finder, Mark()], epochs=3).fit(BucketModel(_data()))
-    history = finder.history
+    def fit() -> list[Any]:
+        seed(0)
+        schedule = bucket_data.schedule(predict="auto")
+        schedule["triggers"] = [{"kind": "fit_start"}, {"kind": "epoch", "at": [1, 2]}]
+        finder = ScheduledBatchSizeFinder(schedule, sample_size=tokens, verbose=False, write_report=False)
+        bucket_data.trainer([finder, Mark()], epochs=3).fit(BucketModel(_data()))
+        return list(finder.history)
+
+    history = fit()
     assert [e.trigger for e in history] == ["fit_start", "epoch", "epoch"]
     assert [e.prediction for e in history] == ["predicted"] * 3
     marks = [*counts, len(traced)]  # traces before each epoch's search (the finder's hooks run last), and after
@@ -107,6 +157,18 @@ def test_a_bucketed_search_after_nothing_changed_runs_no_trace_and_finds_the_sam
     assert history[2].bucket_bounds == history[1].bucket_bounds
     assert bucket_data.unverified_buckets(history[2]) == []
     assert len(history[2].trials) == len(history[2].bucket_sizes)
+    # the same fit without the memo traces every search, and predicts what the remembered traces did
+    monkeypatch.setattr(reuse, "memo_for", lambda module: TraceMemo())
+    monkeypatch.setattr("retune.search.predict_run.memo_for", lambda module: TraceMemo())
+    counts.clear()
+    fresh = fit()
+    assert len(traced) - sum(per_search) == 3 + 2 + 2
+    for ours, theirs in zip(history, fresh, strict=True):
+        assert (ours.predicted_bytes, ours.bucket_sizes, ours.trials) == (
+            theirs.predicted_bytes,
+            theirs.bucket_sizes,
+            theirs.trials,
+        )
 
 
 def test_a_fixed_search_after_nothing_changed_runs_no_trace_and_every_fit_traces_its_first(monkeypatch: Any) -> None:
