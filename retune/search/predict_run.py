@@ -106,7 +106,9 @@ class Tracer:
         started = time.perf_counter()
         optimizers = list(self.trainer.optimizers)
         sharded = compat.is_sharded(self.trainer)
-        memo, key = self._memo_key(optimizers, size, sharded)
+        # FSDP2's mixed precision: parameters computed in another dtype than they are stored in
+        dtypes: dict[int, Any] = compute_dtypes(self.pl_module) if sharded else {}
+        memo, key = self._memo_key(optimizers, size, sharded, dtypes)
         remembered = None if memo is None else memo.get(key)
         if remembered is not None:  # the same training state traced at this size before: the same prediction
             kept, phase = remembered
@@ -115,14 +117,12 @@ class Tracer:
             self.seconds += time.perf_counter() - started
             return self._agreed(kept)
         account = None
-        dtypes: dict[int, Any] = {}
         shards: dict[int, int] = {}
         result: Any = None
         if sharded:  # the trace counts the whole state: this rank holds shards
             account = ShardAccount.of(self.pl_module, optimizers, resident_bytes(self.pl_module, optimizers))
             shards = gradient_shards(self.pl_module)  # each gradient whole when made, the rank's shard once reduced
-            dtypes = compute_dtypes(self.pl_module)  # FSDP2's mixed precision: computed in another dtype
-            if dtypes and self.optimizer is None:  # whose update runs on the stored shards: traced apart
+            if dtypes and self.optimizer is None:  # the update runs on the stored shards: traced apart
                 phase = trace_update(self.pl_module, optimizers, self.pl_module.device)
                 result = phase if isinstance(phase, CannotPredict) else None
                 self.optimizer = None if isinstance(phase, CannotPredict) else phase
@@ -156,19 +156,21 @@ class Tracer:
                 memo.put(key, (local, self.optimizer))
         return self._agreed(local)
 
-    def _memo_key(self, optimizers: list[Any], size: int, sharded: bool) -> tuple[TraceMemo | None, Any]:
+    def _memo_key(
+        self, optimizers: list[Any], size: int, sharded: bool, dtypes: dict[int, Any]
+    ) -> tuple[TraceMemo | None, Any]:
         """The module's memo of traces and this trace's key (:mod:`retune.prediction.reuse`); no memo where the
-        key cannot be made (a batch or optimizer state it cannot describe, a module that cannot be a weak key).
-        Under FSDP2 the dtypes each parameter is computed in are part of the key."""
+        key cannot be made (a batch or optimizer state it cannot describe) or the module cannot be a weak key (an
+        ``__eq__`` without ``__hash__``). Under FSDP2 the dtypes each parameter is computed in are part of the key."""
         module = self.pl_module
+        extra = (True, tuple(str(dtypes.get(id(p))) for p in module.parameters())) if sharded else ()
         try:
-            extra: tuple[Any, ...] = ()
-            if sharded:
-                dtypes = compute_dtypes(module)
-                extra = (True, tuple(str(dtypes.get(id(p))) for p in module.parameters()))
             key = trace_key(module, optimizers, self.batch, size, *extra)
+        except Unkeyable:
+            return None, None
+        try:
             return memo_for(module), key
-        except (Unkeyable, TypeError):
+        except TypeError:  # unhashable: a WeakKeyDictionary cannot hold it
             return None, None
 
     def _agreed(self, local: tuple[float, float] | str) -> float:

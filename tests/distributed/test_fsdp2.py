@@ -138,6 +138,18 @@ def _verified(event: dict[str, Any]) -> bool:
     return any(fits and size >= event["batch_size_after"] for size, fits in event["trials"])
 
 
+def _assert_predicted_and_verified(event: dict[str, Any]) -> None:
+    """A predicted search: no fallback note, the kept size verified by a real probe, every fitting probe within
+    the budget, at most 3 probes, and every verified prediction 2% under to 15% over its measured peak."""
+    assert event["prediction"] == "predicted" and event["note"] == "", event["note"]
+    assert _verified(event)
+    peaks = [p for p, (_, fits) in zip(event["peak_bytes"], event["trials"], strict=True) if fits]
+    assert max(peaks) <= event["budget_bytes"]
+    assert len(event["trials"]) <= 3
+    for predicted, measured in zip(event["predicted_bytes"], event["peak_bytes"], strict=True):
+        assert measured is not None and -0.02 * measured <= predicted - measured <= 0.15 * measured
+
+
 def test_predict_under_fsdp2_traces_each_ranks_step_and_verifies_with_fewer_probes(runs: dict[str, Any]) -> None:
     """``search.predict: auto`` under FSDP2 (2 ranks, AdamW, a 160 KiB budget on the CPU tracker, the backbone
     unfrozen at epoch 1): both searches are predicted (each rank traces the plain module on its batch and counts
@@ -152,15 +164,10 @@ def test_predict_under_fsdp2_traces_each_ranks_step_and_verifies_with_fewer_prob
     assert _decisions(rank0) == _decisions(rank1)
     assert [e["trigger"] for e in rank0["history"]] == ["fit_start", "trainable_params_changed"]
     for event, probed in zip(rank0["history"], off["history"], strict=True):
-        assert event["prediction"] == "predicted" and event["note"] == "", event["note"]
+        _assert_predicted_and_verified(event)
         assert probed["prediction"] == "", probed
-        assert _verified(event)
-        peaks = [p for p, (_, fits) in zip(event["peak_bytes"], event["trials"], strict=True) if fits]
-        assert max(peaks) <= event["budget_bytes"]
         assert abs(event["batch_size_after"] - probed["batch_size_after"]) <= 0.05 * probed["batch_size_after"]
         assert len(event["trials"]) <= 3 < len(probed["trials"])
-        for predicted, measured in zip(event["predicted_bytes"], event["peak_bytes"], strict=True):
-            assert measured is not None and -0.02 * measured <= predicted - measured <= 0.15 * measured
     frozen, unfrozen = (e["batch_size_after"] for e in rank0["history"])
     assert unfrozen < frozen
 
@@ -179,13 +186,7 @@ def test_predict_under_fsdp2_mixed_precision_traces_in_bfloat16_and_verifies_wit
     assert rank0["computed_in"] == ["torch.bfloat16"]
     assert [e["trigger"] for e in rank0["history"]] == ["fit_start", "epoch"]
     for event in rank0["history"]:
-        assert event["prediction"] == "predicted" and event["note"] == "", event["note"]
-        assert _verified(event)
-        peaks = [p for p, (_, fits) in zip(event["peak_bytes"], event["trials"], strict=True) if fits]
-        assert max(peaks) <= event["budget_bytes"]
-        assert len(event["trials"]) <= 3
-        for predicted, measured in zip(event["predicted_bytes"], event["peak_bytes"], strict=True):
-            assert measured is not None and -0.02 * measured <= predicted - measured <= 0.15 * measured
+        _assert_predicted_and_verified(event)
 
 
 @pytest.fixture(scope="module")

@@ -95,9 +95,9 @@ def test_a_trace_that_cannot_be_keyed_is_traced_and_not_remembered() -> None:
         __hash__ = None  # type: ignore[assignment]
 
     tracer = Tracer(None, Unhashable(4, 2), torch.zeros(2, 4))
-    assert tracer._memo_key([], 8, False) == (None, None)
+    assert tracer._memo_key([], 8, False, {}) == (None, None)
     tracer = Tracer(None, nn.Linear(4, 2), object())
-    assert tracer._memo_key([], 8, False) == (None, None)
+    assert tracer._memo_key([], 8, False, {}) == (None, None)
 
 
 def test_the_memo_keeps_the_last_entries() -> None:
