@@ -160,17 +160,13 @@ class Tracer:
         self, optimizers: list[Any], size: int, sharded: bool, dtypes: dict[int, Any]
     ) -> tuple[TraceMemo | None, Any]:
         """The module's memo of traces and this trace's key (:mod:`retune.prediction.reuse`); no memo where the
-        key cannot be made (a batch or optimizer state it cannot describe) or the module cannot be a weak key (an
-        ``__eq__`` without ``__hash__``). Under FSDP2 the dtypes each parameter is computed in are part of the key."""
+        key cannot be made (a batch or optimizer state it cannot describe, a module without a hash: an ``__eq__``
+        without ``__hash__``). Under FSDP2 the dtypes each parameter is computed in are part of the key."""
         module = self.pl_module
         extra = (True, tuple(str(dtypes.get(id(p))) for p in module.parameters())) if sharded else ()
         try:
-            key = trace_key(module, optimizers, self.batch, size, *extra)
-        except Unkeyable:
-            return None, None
-        try:
-            return memo_for(module), key
-        except TypeError:  # unhashable: a WeakKeyDictionary cannot hold it
+            return memo_for(module), trace_key(module, optimizers, self.batch, size, *extra)
+        except (Unkeyable, TypeError):  # TypeError: an unhashable module (its own walks and the memo need a hash)
             return None, None
 
     def _agreed(self, local: tuple[float, float] | str) -> float:
