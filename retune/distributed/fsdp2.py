@@ -190,9 +190,12 @@ def why_not_traced(module: torch.nn.Module) -> str | None:
     out of the way and its ``MixedPrecisionPolicy`` casts in their place (inputs to ``param_dtype``, outputs to
     ``output_dtype``: the policy's own methods), and the parameters faked in the dtype FSDP2 computes them in
     (:func:`compute_dtypes`). A torch whose FSDP2 keeps its forward hooks or those casts elsewhere cannot be
-    traced."""
+    traced. Nor can a group offloaded to the host on a device run (``CPUOffloadPolicy``): its shards, reduced
+    gradients and optimizer state live in host memory, the update runs there, and the trace would make the whole
+    parameters on the host beside a batch on the device (on a CPU run the host is the device: it traces)."""
     needed = ("_pre_forward_hook_handle", "_post_forward_hook_handle", "_modules")
     casts = ("_cast_forward_inputs", "_cast_output_dtype")
+    names = {id(sub): name for name, sub in module.named_modules()}
     for state in _states(module):
         if not all(hasattr(state, name) for name in needed):
             return "this torch's FSDP2 keeps its forward hooks where retune does not look (no _pre_forward_hook_handle)"
@@ -201,7 +204,25 @@ def why_not_traced(module: torch.nn.Module) -> str | None:
                 "this torch's FSDP2 casts for its MixedPrecisionPolicy where retune does not look "
                 "(no _cast_forward_inputs)"
             )
+        if _offloaded_to_host(state):
+            owners = [names.get(id(sub), type(sub).__name__) or "the root" for sub in getattr(state, "_modules", ())]
+            return (
+                f"FSDP2's CPUOffloadPolicy keeps the shards, reduced gradients and optimizer state of "
+                f"{', '.join(owners) or 'a module'} in host memory while it computes on the device: a trace cannot "
+                "split the step between the two"
+            )
     return None
+
+
+def _offloaded_to_host(state: Any) -> bool:
+    """Whether ``CPUOffloadPolicy`` keeps a parameter of ``state``'s groups on the host while it computes on
+    another device."""
+    for group in _param_groups(state):
+        for fsdp_param in _group_params(group):
+            device = getattr(fsdp_param, "device", None)
+            if getattr(fsdp_param, "offload_to_cpu", False) and getattr(device, "type", "cpu") != "cpu":
+                return True
+    return False
 
 
 def _casts(state: Any) -> tuple[bool, bool]:

@@ -227,6 +227,27 @@ def test_mixed_precision_fsdp2_is_traced_in_the_dtype_it_computes_in(gloo_group:
     assert why_not_traced(outputs) is None and compute_dtypes(outputs) == {}
 
 
+def test_fsdp2_offloaded_to_the_host_is_traced_on_a_cpu_run_and_refused_on_a_device_run(gloo_group: Any) -> None:
+    """``CPUOffloadPolicy`` keeps a group's shards, reduced gradients and optimizer state on the host: on a CPU run
+    the host is the device and the step traces as any other; on a device run (the group's compute device is not
+    the CPU: set on its records here, this machine has no GPU) the trace would not split the step between host and
+    device, so the search says why and probes, naming the offloaded module."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from retune.distributed.fsdp2 import _group_params, _param_groups, _states
+
+    model = _shard(_layers(), offload_policy=CPUOffloadPolicy(pin_memory=False))
+    assert why_not_traced(model) is None
+    records = [p for state in _states(model) for g in _param_groups(state) for p in _group_params(g)]
+    assert records and all(p.offload_to_cpu for p in records)
+    for record in _group_params(_param_groups(_states(model[2])[0])[0]):  # Linear "2"
+        record.device = torch.device("cuda", 0)
+    reason = why_not_traced(model)
+    assert reason is not None and "CPUOffloadPolicy" in reason and "of 2 in host memory" in reason
+    plain = _shard(_layers())
+    assert why_not_traced(plain) is None
+
+
 def test_a_mixed_precision_fsdp2_step_is_traced_as_the_plain_module_in_its_compute_dtype(
     gloo_group: Any, stepping: list[nn.Module]
 ) -> None:
