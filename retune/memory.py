@@ -113,6 +113,7 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.live_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}
+        self._log: list[tuple[int, int, int]] | None = None  # (storage key, bytes, live bytes after) per new storage
         self._stances: list[AbstractContextManager[Any]] = []
 
     def __enter__(self) -> CpuPeakTracker:
@@ -176,7 +177,39 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._live[key] = nbytes
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if self._log is not None:
+            self._log.append((key, nbytes, self.live_bytes))
         weakref.finalize(storage, self._release, key)
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Count the storages of ``tensors``, made before the tracker started, as live from now until they are
+        freed; returns the bytes added. A training step's gradients from the step before are alive in its
+        forward until ``zero_grad`` frees them (Lightning zeroes after ``training_step``, before backward), and
+        :func:`resident_bytes` leaves gradients out."""
+        before = self.live_bytes
+        for tensor in tensors:
+            storage = local(tensor).untyped_storage()
+            if storage._cdata not in self._live:
+                self._track(storage, storage._cdata)
+        return self.live_bytes - before
+
+    def log_new_storages(self) -> None:
+        """From now on, remember every storage counted, with the live bytes after it (:meth:`own_need`)."""
+        self._log = []
+
+    def own_need(self, start: int) -> int:
+        """Stop the log of :meth:`log_new_storages` and return the most the logged block needed above ``start``
+        live bytes *beyond what it left alive*: at each new storage, the live bytes minus ``start`` minus the
+        storages made so far that are still alive now. For an optimizer update that creates its state, that is
+        its temporaries alone: what the same update needs once the state exists before it starts."""
+        log, self._log = self._log or [], None
+        kept = 0
+        need = 0
+        for key, nbytes, live in log:
+            if key in self._live:
+                kept += nbytes
+            need = max(need, live - start - kept)
+        return need
 
     def recount(self, tensor: torch.Tensor, nbytes: int) -> None:
         """Count ``tensor``'s storage, counted since it was made, at ``nbytes`` from now on: what a sharded step
@@ -191,6 +224,120 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _release(self, key: int) -> None:
         self.live_bytes -= self._live.pop(key, 0)
+
+
+@dataclasses.dataclass
+class StepPhases:
+    """A training step's live bytes on a :class:`CpuPeakTracker` by phase, for :meth:`steady`: the peak of the step
+    as a later one runs it. A step marks its phases (``retune.compat.stage_steps.step_marks``):
+    ``forward_done`` before ``zero_grad`` (Lightning zeroes after ``training_step``), ``backward_done`` when the
+    closure ends, before gradient clipping and the optimizer update; :meth:`finish` after the step. A step that
+    marks nothing (manual optimization) is one phase. All bytes are the tracker's (above the resident state).
+
+    Example (the numbers of a step whose update creates 300 bytes of state and needs 50 of its own):
+        >>> phases = StepPhases(forward=900, backward=700, update=1250, update_start=600, update_need=50,
+        ...                     grads_before=0, grads_after=400, marked=True)
+        >>> phases.steady(created=300)   # forward + the old gradients + the state; the update: 600 + 300 + 50
+        1600
+    """
+
+    forward: int = 0
+    """The peak up to ``zero_grad`` (with the gradients from the step before, counted while alive)."""
+    backward: int = 0
+    """The peak from ``zero_grad`` to the end of the closure (backward's new gradients)."""
+    update: int = 0
+    """The peak from there to the step's end (clipping, the update)."""
+    update_start: int = 0
+    """The live bytes when the update phase started (gradients, what the step kept of its output)."""
+    update_need: int = 0
+    """The update phase's peak above ``update_start`` beyond what it left alive (the state it created)."""
+    grads_before: int = 0
+    """Gradient bytes alive when the step started (from the step before)."""
+    grads_after: int = 0
+    """Gradient bytes alive when it ended."""
+    marked: bool = False
+    """Whether the step marked its phases (False: ``forward`` is the whole step's peak)."""
+
+    @property
+    def peak(self) -> int:
+        """The step's peak as it ran."""
+        return max(self.forward, self.backward, self.update)
+
+    def steady(self, created: int) -> int:
+        """The peak of the same step taken once the state it created (``created`` bytes) exists and with the
+        gradients of a step before alive in its forward: each phase as it ran plus what was missing from it.
+        Forward gains the state and the gradients it lacked; backward the state; an update that created state
+        runs on it instead (its start, the state and its own need), so the state is not counted twice where the
+        update is the step's peak. An unmarked step: its peak plus the state (an upper bound)."""
+        if not self.marked:
+            return self.peak + created
+        return max(self.steady_parts(created))
+
+    def steady_parts(self, created: int) -> tuple[int, int, int]:
+        """:meth:`steady`'s forward, backward and update, each as a later step has it: each grows linearly with
+        the batch (the update only with what the step keeps of it), so a prediction draws a line per phase."""
+        forward = self.forward + max(0, self.grads_after - self.grads_before) + created
+        update = self.update_start + created + self.update_need if created else self.update
+        return forward, self.backward + created, update
+
+
+class PhaseMarks:
+    """The marks a training step gives (``forward_done``, ``backward_done``: the protocol of
+    ``retune.compat.stage_steps.step_marks``), read off a live :class:`CpuPeakTracker` into a :class:`StepPhases`.
+
+    Args:
+        tracker: the tracker counting the step (its peak is reset at each mark, and is the whole step's again
+            after :meth:`finish`).
+        grads_before: the gradient bytes alive when the step started (:meth:`CpuPeakTracker.adopt`).
+    """
+
+    def __init__(self, tracker: CpuPeakTracker, grads_before: int) -> None:
+        self.tracker = tracker
+        self.phases = StepPhases(grads_before=grads_before)
+        self._phase = 0  # 0 forward, 1 backward, 2 update
+
+    def forward_done(self) -> None:
+        if self._phase == 0:
+            self.phases.forward = self.tracker.peak_bytes
+            self.tracker.peak_bytes = self.tracker.live_bytes
+            self._phase = 1
+
+    def backward_done(self) -> None:
+        if self._phase == 1:
+            tracker = self.tracker
+            self.phases.backward = tracker.peak_bytes
+            self.phases.update_start = tracker.peak_bytes = tracker.live_bytes
+            tracker.log_new_storages()
+            self._phase = 2
+
+    def finish(self, grads_after: int) -> StepPhases:
+        """The phases, the step done; the tracker's peak is the whole step's again."""
+        tracker, phases = self.tracker, self.phases
+        if self._phase == 2:
+            phases.update = tracker.peak_bytes
+            phases.update_need = tracker.own_need(phases.update_start)
+            phases.marked = True
+        elif self._phase == 1:  # backward never reported its end: forward and backward are one phase
+            phases.forward = max(phases.forward, tracker.peak_bytes)
+        else:
+            phases.forward = tracker.peak_bytes
+        phases.grads_after = grads_after
+        tracker.peak_bytes = phases.peak
+        return phases
+
+
+def gradient_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct storages of ``module``'s parameters' gradients now (a shard's own, under FSDP2).
+
+    Args:
+        module: the module whose parameters' gradients to count.
+    """
+    seen: dict[int, int] = {}
+    for param in module.parameters():
+        if param.grad is not None:
+            storage = local(param.grad).untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
 
 
 def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> int:
@@ -398,6 +545,10 @@ class PeakReading:
     ``none``."""
     peak_reserved: int | None = None
     """Peak bytes a caching allocator reserved during the block (None on the CPU)."""
+    tracker: CpuPeakTracker | None = None
+    """The CPU tracker counting the block (None on a device with allocator statistics)."""
+    grads_before: int = 0
+    """With ``grads=True`` on the CPU tracker: the gradient bytes alive when the block started, counted while alive."""
 
 
 @contextmanager
@@ -407,6 +558,7 @@ def measure_peak(
     optimizers: Iterable[torch.optim.Optimizer],
     stats: MemoryStats | None = None,
     extra: int = 0,
+    grads: bool = False,
 ) -> Iterator[PeakReading]:
     """Measure the peak memory of the block on ``device`` (allocator statistics, or the CPU tracker).
 
@@ -423,6 +575,8 @@ def measure_peak(
         optimizers: its optimizers (their state is resident too).
         stats: the device allocator's statistics; None: :func:`retune.allocator.stats_for` of ``device``.
         extra: bytes added to both peaks (state resident when the real step runs but not now).
+        grads: on the CPU tracker, count the module's gradients alive at the start until they are freed (a
+            training step's, from the step before: alive in its forward; an allocator counts them anyway).
     """
     reading = PeakReading()
     stats = stats if stats is not None else stats_for(device)
@@ -438,8 +592,11 @@ def measure_peak(
     if device.type == "cpu":
         base = resident_bytes(module, list(optimizers))
         tracker = CpuPeakTracker(resized=unsharded_storages(module))
+        reading.tracker = tracker
         try:
             with tracker:
+                if grads:
+                    reading.grads_before = tracker.adopt(p.grad for p in module.parameters() if p.grad is not None)
                 yield reading
         finally:
             reading.peak_bytes = base + tracker.peak_bytes + extra
@@ -451,6 +608,9 @@ def measure_peak(
 __all__ = [
     "CpuPeakTracker",
     "PeakReading",
+    "PhaseMarks",
+    "StepPhases",
+    "gradient_bytes",
     "device_total_bytes",
     "has_optimizer_state",
     "measure_peak",

@@ -21,8 +21,7 @@ from retune.buckets.train_buckets import BucketOutcome, PredictBuckets, TracedBu
 from retune.events import Trial
 from retune.search.batching import FixedSearch, Limits, Say, SearchJob, StageSearch
 from retune.search.largest import SearchPlan, SearchResult, apply_margin
-from retune.search.predict_run import PredictionRecord, Tracer, Untraceable, why_not_predict
-from retune.search.stage import device_limit
+from retune.search.predict_run import PredictionRecord, Tracer, Untraceable, sample_to_trace, why_not_predict
 
 
 class BucketBatching:
@@ -50,7 +49,9 @@ class BucketSearch:
         self.grouped = grouped
         self.mode = "buckets"
         self.needs_peaks = True
-        self.limit = limits.budget if limits.budget is not None else device_limit(limits.device)
+        # the budget, else the smallest rank's device limit, agreed where the search started: the bounds cut by
+        # steps, the predicted starts and the per-bucket model must be the same on every rank
+        self.limit = limits.step_limit
         self.note = (
             ""
             if self.limit is not None
@@ -124,12 +125,12 @@ class BucketSearch:
                 nonlocal fixed, phase
                 arrange = prober.arrange
                 prober.arrange = arrange_of(bucket)
+                tracer = Tracer(job.trainer, prober.pl_module, None, optimizer=phase)
                 try:
-                    batch = prober.sample_batch(2)
-                finally:
-                    prober.arrange = arrange
-                tracer = Tracer(job.trainer, prober.pl_module, batch, optimizer=phase)
-                try:
+                    try:
+                        tracer.batch = sample_to_trace(job.trainer, prober, 2)
+                    finally:
+                        prober.arrange = arrange
                     peaks[bucket] = tracer(uppers[bucket])
                     phase = tracer.optimizer
                 except Untraceable as error:

@@ -60,7 +60,7 @@ from retune.compat.logs import (
 )
 from retune.compat.loops import batch_index, batch_is_accumulating, resumed_batches, trainer_fn
 from retune.compat.namespace import callback_base_classes, is_legacy, namespace_of, without_attached
-from retune.compat.stage_steps import hooks_isolated, run_step, training_step, wrap_eval_step
+from retune.compat.stage_steps import StepMarks, hooks_isolated, run_step, step_marks, training_step, wrap_eval_step
 from retune.compat.state import (
     accumulation_is_scheduled,
     fts_phase,
@@ -76,6 +76,7 @@ from retune.compat.state import (
 from retune.compat.strategies import check_oom_trigger, is_sharded, strategy_kind
 
 __all__ = [
+    "StepMarks",
     "accumulation_is_scheduled",
     "all_gather_object",
     "batch_attr_places",
@@ -124,6 +125,7 @@ __all__ = [
     "set_accumulation",
     "set_batch_attr",
     "shares_out_samplers",
+    "step_marks",
     "strategy_kind",
     "train_loaders",
     "trainer_fn",

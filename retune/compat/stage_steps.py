@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from contextvars import ContextVar
+from typing import Any, Protocol
 
 import torch
 
@@ -19,6 +20,38 @@ from retune.compat.logs import results_owner, throwaway_results
 from retune.compat.loops import eval_loop
 from retune.compat.namespace import import_module, is_legacy, namespace_of
 from retune.errors import RetuneError
+
+
+class StepMarks(Protocol):
+    """Told where a training step is (:func:`step_marks`): what a memory account of its phases needs."""
+
+    def forward_done(self) -> None:
+        """``training_step`` returned; ``zero_grad`` comes next (the step before's gradients are still alive)."""
+
+    def backward_done(self) -> None:
+        """Backward is done; gradient clipping and the optimizer's update come next."""
+
+
+_MARKS: ContextVar[StepMarks | None] = ContextVar("retune_step_marks", default=None)
+
+
+@contextmanager
+def step_marks(marks: StepMarks | None) -> Iterator[None]:
+    """Training steps run inside the block tell ``marks`` their phases (automatic optimization only: a manual step
+    is the user's own)."""
+    token = _MARKS.set(marks)
+    try:
+        yield
+    finally:
+        _MARKS.reset(token)
+
+
+def _zero_grad(trainer: Any, pl_module: Any, optimizer: Any, batch_idx: int) -> None:
+    """The module's ``optimizer_zero_grad`` hook (``optimizer.zero_grad()`` unless overridden), as the loop calls it."""
+    if is_legacy(trainer):
+        pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer, 0)
+    else:
+        pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -100,6 +133,11 @@ def training_step(
     precision (autocast, grad scaler), without the loop's bookkeeping. Under DDP the step runs on the
     unwrapped module with the reducer kept out (see ``_no_ddp_sync``): same memory, no collectives.
 
+    As the loop runs it: ``zero_grad`` (the module's ``optimizer_zero_grad``) after ``training_step`` and
+    before backward, so the gradients of the step before are alive in the forward, and what ``training_step``
+    returned (a dict's logits too) alive until the update is done. Inside :func:`step_marks` the step tells its
+    marks where it is.
+
     Returns the step's loss (None when ``training_step`` returned None). ``wrap_closure`` wraps the
     forward-and-backward closure (automatic optimization), so a caller can act between backward and
     the optimizer step, before gradient clipping (the range test averages gradients across ranks there).
@@ -127,26 +165,37 @@ def _training_step(
             "use one optimizer or manual optimization"
         )
     optimizer = optimizers[0]
+    marks = _MARKS.get()
 
     losses: list[torch.Tensor | None] = []
+    outputs: list[Any] = []  # alive until the update is done, as the loop's closure result keeps them
 
     def closure() -> torch.Tensor | None:
-        loss = _loss_of(_forward(trainer, pl_module, batch, batch_idx))
+        output = _forward(trainer, pl_module, batch, batch_idx)
+        outputs.append(output)
+        loss = _loss_of(output)
         losses.append(loss)
+        if marks is not None:
+            marks.forward_done()
+        # where the loop zeroes: after training_step, before backward (the step before's gradients are alive in
+        # this step's forward, so a probe's later steps measure them as training will)
+        _zero_grad(trainer, pl_module, optimizer, batch_idx)
         if loss is None:
             return None
         if legacy:
             strategy.backward(loss, optimizer, 0)
         else:
             strategy.backward(loss, optimizer)
+        if marks is not None:
+            marks.backward_done()
         return loss
 
     run = closure if wrap_closure is None else wrap_closure(closure)
-    optimizer.zero_grad(set_to_none=True)
     if legacy:
         strategy.optimizer_step(optimizer, 0, run, model=pl_module)
     else:
         strategy.optimizer_step(optimizer, run, model=pl_module)
+    outputs.clear()
     return losses[-1] if losses else None
 
 

@@ -4,10 +4,13 @@ A trace only needs shapes, dtypes and devices, so a batch of ``size`` samples is
 structure with every per-sample tensor's leading dimension set to ``size``: nothing of that size is
 ever allocated, so a prediction at 4096 images costs what one at 4 does. The batch dimension is the
 one retune splits along when it recovers from an OOM (:func:`retune.recovery.split.batch_length`,
-the leading dimension the batch's tensors share); tensors without it (a scalar, a class-weight
-vector of another length) are faked unchanged, and lists of per-sample Python values (file names,
-raw strings) are repeated to ``size``. Containers are rebuilt as their own type (dicts and other
-mappings, Hugging Face ``BatchEncoding`` included, named tuples, dataclasses).
+the leading dimension the batch's tensors share); a scalar tensor is faked unchanged, and lists of
+per-sample Python values (file names, raw strings) are repeated to ``size``. A tensor of another
+leading length (a class-weight vector in the batch) makes the batch dimension ambiguous: the trace
+cannot predict and says which field to move out of the batch, as the OOM recovery does. Containers
+are rebuilt as their own type (dicts and other mappings, Hugging Face ``BatchEncoding`` included,
+named tuples, dataclasses: their ``init`` fields, a field with ``init=False`` made again by their
+``__post_init__``).
 
 Sample sizes stay the real batch's: a batch padded to 512 tokens gives fake batches padded to 512.
 Per bucket, trace that bucket's own batch (its longest samples) at the sizes to fit.
@@ -61,8 +64,10 @@ def _resize(value: Any, size: int, total: int, mode: FakeTensorMode, device: tor
         except TypeError:
             return items
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: _resize(getattr(value, f.name), size, total, mode, device) for f in dataclasses.fields(value)
+        changes = {  # init fields only: replace() refuses a field with init=False (its __post_init__ makes it)
+            f.name: _resize(getattr(value, f.name), size, total, mode, device)
+            for f in dataclasses.fields(value)
+            if f.init
         }
         return dataclasses.replace(value, **changes)
     if isinstance(value, (list, tuple)):

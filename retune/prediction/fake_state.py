@@ -11,7 +11,8 @@ running statistics, ``num_batches_tracked``) lands on a fake.
 Optimizers are *cloned over the fake parameters*, not modelled analytically per optimizer kind: a
 shallow copy of the real optimizer object (its class, hyperparameters and hooks; ``__init__`` is not
 called, so any ``Optimizer`` subclass works without knowing its constructor) with fake param groups
-and a fake copy of its state. Running the real ``step`` code on fakes accounts for whatever state
+and a fake copy of its state, without the wrappers installed on the object over its methods (an LR
+scheduler's over ``step`` calls the real optimizer). Running the real ``step`` code on fakes accounts for whatever state
 that optimizer keeps (Adam's two moments, SGD's momentum buffer, none for plain SGD), creates it at
 the first step exactly as the real one would, and counts its temporaries; an analytic table would
 miss all three for optimizers it does not list. Scalar state (Adam's ``step``) is faked as a
@@ -100,6 +101,11 @@ def _fake_optimizer(
 ) -> torch.optim.Optimizer:
     clone = object.__new__(type(optimizer))
     clone.__dict__.update(optimizer.__dict__)
+    for name in _patched_methods(optimizer):
+        # an instance-level wrapper of a method calls the real optimizer: every torch LR scheduler wraps `step`
+        # so (``func.__get__(opt_ref())``), which would run the real update inside the trace; the clone uses
+        # its class's own method, bound to itself
+        del clone.__dict__[name]
 
     clone.param_groups = [
         {**group, "params": [fake_param(p) for p in group["params"]]} for group in optimizer.param_groups
@@ -116,6 +122,17 @@ def _fake_optimizer(
         if isinstance(value, OrderedDict):  # the per-optimizer hook registries: the clone's own copies
             setattr(clone, name, OrderedDict(value))
     return clone
+
+
+def _patched_methods(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of ``optimizer``'s methods that its instance overrides with a callable of its own (a wrapper
+    installed on the object, such as an LR scheduler's on ``step``)."""
+    cls = type(optimizer)
+    return [
+        name
+        for name, value in vars(optimizer).items()
+        if callable(value) and callable(getattr(cls, name, None)) and not isinstance(value, type)
+    ]
 
 
 @contextmanager

@@ -39,8 +39,9 @@ the stored parameters and their gradients) and the step's trace reuses its phase
 
 Nothing of the run changes: the real parameters, gradients, buffers, optimizer state and the
 trainer's optimizers are never written (the fakes stand in for them and the real objects are put
-back), every module's train/eval flag and the global RNGs (Python, NumPy, torch, CUDA) are put back,
-and callbacks, loggers and logged metrics are hidden as in a probe.
+back), every module's train/eval flag, its public attributes (a list the step appends its outputs to
+keeps no fake: :mod:`retune.probing.attributes`) and the global RNGs (Python, NumPy, torch, CUDA) are
+put back, and callbacks, loggers and logged metrics are hidden as in a probe.
 
 Where the trace cannot run, the result is a :class:`CannotPredict` with the reason (the operator, or
 the exception), never an exception: an operator whose output depends on data (``.item()``, a tensor
@@ -67,12 +68,14 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from retune.compat.data import batch_to_device
 from retune.compat.fake_trace import logging_silenced, optimizers_replaced
-from retune.compat.stage_steps import hooks_isolated, training_step
+from retune.compat.stage_steps import hooks_isolated, step_marks, training_step
 from retune.distributed.fsdp2 import hooks_removed
-from retune.memory import CpuPeakTracker, has_optimizer_state, resident_bytes, tensor_bytes
+from retune.memory import CpuPeakTracker, StepPhases, gradient_bytes, has_optimizer_state, resident_bytes, tensor_bytes
 from retune.prediction.fake_batch import fake_batch
 from retune.prediction.fake_state import fake_training_state, swapped_in
+from retune.probing.attributes import attributes_kept
 from retune.probing.sample_sizes import preserved_rng
 
 __all__ = [
@@ -96,6 +99,9 @@ class OptimizerPhase:
 
     extra_bytes: int
     created_bytes: int
+    need_bytes: int | None = None
+    """Its peak above that start beyond the state it created (:meth:`retune.memory.CpuPeakTracker.own_need`): what
+    the same update needs once the state exists (None: not measured; ``extra_bytes`` stands for it)."""
 
 
 @dataclass(frozen=True)
@@ -124,14 +130,57 @@ class StepTrace:
     update was seen. With :attr:`compute_bytes` and the update's phase, what an account of a sharded step needs:
     FSDP2 holds different things in the two (:mod:`retune.prediction.sharded`)."""
 
+    forward_bytes: int = 0
+    """``resident_bytes`` plus the peak of forward (to ``zero_grad``) where the step marked it
+    (:func:`retune.compat.stage_steps.step_marks`; 0: unmarked, a step function of its own)."""
+    backward_bytes: int = 0
+    """``resident_bytes`` plus the peak from ``zero_grad`` to the update's start (0: unmarked)."""
+    update_bytes: int = 0
+    """``resident_bytes`` plus the update's peak, as measured or as its reused phase gives it (0: no update)."""
+    grads_before: int = 0
+    """Gradient bytes alive when the step started (fakes of the step before's), counted until freed."""
+    grads_after: int = 0
+    """Gradient bytes alive when the step ended."""
+
     @property
     def steady_bytes(self) -> int:
-        """The peak of a step taken once the optimizer state exists. Traced with two steps (or with the state
-        there already) it is ``peak_bytes``. Traced with one step that created the state it is that step's
-        peak plus the state's bytes: an upper bound, exact when the peak falls in forward or backward,
-        because at every point of a later step the same tensors are alive plus the state, which the
-        creating step held in part or not at all (:func:`trace_step`'s ``steps=1``)."""
-        return self.peak_bytes + (self.created_bytes if self.steps == 1 else 0)
+        """The peak of a step taken once the optimizer state exists and with the gradients of a step before alive
+        in its forward. Traced with two steps it is ``peak_bytes`` (the second is such a step). Traced with one
+        marked step it is that step's phases as a later step has them (:meth:`retune.memory.StepPhases.steady`:
+        forward with those gradients and the state the step created, backward with the state, the update on the
+        state instead of creating it, so a peak in the update does not count the state twice). Unmarked (a step
+        function of its own): its peak plus the state it created, an upper bound."""
+        parts = self.steady_parts
+        return max(parts) if parts is not None else self.peak_bytes + (self.created_bytes if self.steps == 1 else 0)
+
+    @property
+    def steady_parts(self) -> tuple[int, int, int] | None:
+        """:attr:`steady_bytes` by phase: forward, backward and the update, each with ``resident_bytes``
+        (:meth:`retune.memory.StepPhases.steady_parts`); None where the step did not mark its phases or was traced
+        twice (its second step's peak is the steady one)."""
+        phases = self._steady_phases()
+        if phases is None:
+            return None
+        forward, backward, update = phases.steady_parts(self.created_bytes)
+        resident = self.resident_bytes
+        return resident + forward, resident + backward, resident + update
+
+    def _steady_phases(self) -> StepPhases | None:
+        """The traced step's phases (one marked step with an update), else None (two steps: the second is steady)."""
+        phase = self.optimizer
+        if self.steps != 1 or not self.forward_bytes or phase is None:
+            return None
+        resident = self.resident_bytes
+        return StepPhases(
+            forward=self.forward_bytes - resident,
+            backward=self.backward_bytes - resident,
+            update=self.update_bytes - resident,
+            update_start=self.update_start_bytes - resident,
+            update_need=phase.extra_bytes if phase.need_bytes is None else phase.need_bytes,
+            grads_before=self.grads_before,
+            grads_after=self.grads_after,
+            marked=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -188,27 +237,49 @@ def trace_step(
                 for name, p in module.named_parameters(remove_duplicate=False)
                 if reduced_gradients and id(p) in reduced_gradients
             }
-            with swapped_in(module, state), hooks_removed(module), mode:
+            with attributes_kept(module), swapped_in(module, state), hooks_removed(module), mode:
                 resident = resident_bytes(module, state.optimizers)
                 batch_bytes = tensor_bytes(fake)
                 with CpuPeakTracker(_device_type(module, device)) as tracker, _reduced(state, tracker, reduced):
+                    grads_before = tracker.adopt(p.grad for p in state.parameters.values() if p.grad is not None)
                     phases = _Phases(tracker, reuse)
                     for opt in state.optimizers:
                         phases.wrap(opt)
-                    for _ in range(count):
-                        step(fake, state.optimizers)
+                    with step_marks(phases):
+                        for _ in range(count):
+                            step(fake, state.optimizers)
+                    grads_after = gradient_bytes(module)
                 created = max(0, resident_bytes(module, state.optimizers) - resident)
             phase = phases.phase(created)
             tail = tracker.peak_bytes  # after the last update (the whole step where none ran)
             compute = resident + (phases.compute_peak if phases.updates else tail)
-            peak = max(compute, resident + max(phases.update_peak, phases.skipped_peak, tail))
+            update = resident + max(phases.update_peak, phases.skipped_peak, tail) if phases.updates else 0
+            peak = max(compute, update)
             if reuse is not None and phase is not None:
                 created = phase.created_bytes
     except Exception as error:  # every failure of the trace is a "cannot predict"
         return cannot_predict(error)
     update_start = resident + phases.update_start if phase is not None else 0
+    forward = resident + phases.forward_peak if phases.forward_peak is not None else 0
+    backward = resident + phases.backward_peak if forward and phases.updates else 0
     seconds = time.perf_counter() - started
-    return StepTrace(size, peak, resident, count, seconds, created, batch_bytes, phase, compute, update_start)
+    return StepTrace(
+        size,
+        peak,
+        resident,
+        count,
+        seconds,
+        created,
+        batch_bytes,
+        phase,
+        compute,
+        update_start,
+        forward,
+        backward,
+        update,
+        grads_before,
+        grads_after,
+    )
 
 
 @contextmanager
@@ -245,6 +316,18 @@ class _Phases:
         self.compute_peak = 0  # the tracker's peak before each update (forward and backward)
         self.update_start = 0  # the live bytes when an update started
         self.update_peak = 0  # the live bytes' peak during a measured update
+        self.forward_peak: int | None = None  # the peak to zero_grad, where the step marks it (step_marks)
+        self.backward_peak = 0  # from there to the update's start
+        self.need: int | None = None  # a measured update's peak above its start beyond the state it created
+
+    def forward_done(self) -> None:
+        tracker = self.tracker
+        self.forward_peak = max(self.forward_peak or 0, tracker.peak_bytes)
+        self.compute_peak = max(self.compute_peak, tracker.peak_bytes)
+        tracker.peak_bytes = tracker.live_bytes  # backward's own peak, from here
+
+    def backward_done(self) -> None:
+        """The update's start is where the optimizer's ``step`` runs it (after clipping): see :meth:`wrap`."""
 
     def wrap(self, optimizer: torch.optim.Optimizer) -> None:
         original = optimizer.step
@@ -267,10 +350,12 @@ class _Phases:
             start = tracker.live_bytes
             self._started(start)
             tracker.peak_bytes = start  # the update's own peak, from here
+            tracker.log_new_storages()
             try:
                 done: Any = lambda: loss  # noqa: E731  # the closure already ran: the update sees its loss
                 original(done, **kwargs) if closure is not None else original(**kwargs)
             finally:
+                self.need = max(self.need or 0, tracker.own_need(start))
                 self.extra = max(self.extra or 0, tracker.peak_bytes - start)
                 self.update_peak = max(self.update_peak, tracker.peak_bytes)
                 tracker.peak_bytes = tracker.live_bytes  # a later step's forward and backward, from here
@@ -281,12 +366,14 @@ class _Phases:
     def _started(self, live: int) -> None:
         self.updates += 1
         self.compute_peak = max(self.compute_peak, self.tracker.peak_bytes)
+        if self.forward_peak is not None:
+            self.backward_peak = max(self.backward_peak, self.tracker.peak_bytes)
         self.update_start = max(self.update_start, live)
 
     def phase(self, created: int) -> OptimizerPhase | None:
         if self.extra is None:
             return None
-        return self.reuse or OptimizerPhase(self.extra, created)
+        return self.reuse or OptimizerPhase(self.extra, created, self.need)
 
 
 def trace_update(
@@ -307,12 +394,14 @@ def trace_update(
                         param.grad = torch.zeros_like(param)
                 before = resident_bytes(module, state.optimizers)
                 with CpuPeakTracker(_device_type(module, device)) as tracker:
+                    tracker.log_new_storages()
                     for opt in state.optimizers:
                         opt.step()
+                    need = tracker.own_need(0)
                 created = max(0, resident_bytes(module, state.optimizers) - before)
     except Exception as error:  # every failure of the trace is a "cannot predict"
         return cannot_predict(error)
-    return OptimizerPhase(tracker.peak_bytes, created)
+    return OptimizerPhase(tracker.peak_bytes, created, need)
 
 
 def trace_training_step(
@@ -328,9 +417,15 @@ def trace_training_step(
 ) -> StepTrace | CannotPredict:
     """:func:`trace_step` of the run's own training step, as a probe runs it (see the module doc).
 
-    ``batch`` is one real batch of the kind the loader yields (on the host or the device; the fakes
-    are made on the module's device); only its structure, dtypes and per-sample shapes are read.
+    ``batch`` is one real batch of the kind the loader yields (a few samples); it goes through the transfer a
+    probe's batch goes through (the precision's input conversion, ``on_before_batch_transfer``, the strategy's
+    move and ``on_after_batch_transfer``: a hook that casts or reshapes the batch does so before the trace),
+    then only its structure, dtypes and per-sample shapes are read.
     """
+    try:
+        batch = batch_to_device(trainer, pl_module, batch, 0)
+    except Exception as error:  # a transfer hook that fails: a "cannot predict" (the probes then show it)
+        return cannot_predict(error)
 
     def step(fake: Any, optimizers: list[torch.optim.Optimizer]) -> None:
         with optimizers_replaced(trainer, optimizers), hooks_isolated(trainer, pl_module), logging_silenced(pl_module):
@@ -364,6 +459,13 @@ def cannot_predict(error: BaseException) -> CannotPredict:
     if isinstance(error, UnsupportedOperatorException):
         return CannotPredict(f"operator {op} has no fake-tensor implementation (a custom kernel?)", op)
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if "convert all Tensors to FakeTensors" in message:  # FakeTensorMode's words for a real tensor in an operator
+        return CannotPredict(
+            "the step computes with a tensor the trace cannot stand in for (a torchmetrics metric's state updated "
+            "in the step, a tensor kept in a plain attribute of the module or made outside the step: register such "
+            f"a tensor as a buffer to have it traced) ({message[:200]})",
+            op,
+        )
     return CannotPredict(f"the step failed on fake tensors: {type(error).__name__}: {message}"[:500], op)
 
 

@@ -22,7 +22,16 @@ from retune.allocator import MemoryStats, fits_within, process_limit, stats_for
 from retune.distributed.collective_guard import PeerFailed
 from retune.distributed.fsdp2 import ShardedTrials
 from retune.errors import RetuneError
-from retune.memory import has_optimizer_state, measure_peak, resident_bytes, resident_in_evaluation, tensor_bytes
+from retune.memory import (
+    PhaseMarks,
+    StepPhases,
+    gradient_bytes,
+    has_optimizer_state,
+    measure_peak,
+    resident_bytes,
+    resident_in_evaluation,
+    tensor_bytes,
+)
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.probing.snapshot import TrainingSnapshot, sampler_generators
 from retune.probing.timing import Clock, default_clock, samples_per_second, steady, timed
@@ -79,6 +88,7 @@ class Prober:
         arrange: Callable[[Any], Any] | None = None,
         time_steps: bool = False,
         clock: Clock | None = None,
+        device_limit: int | None = None,
     ) -> None:
         self.trainer = trainer
         self.pl_module = pl_module
@@ -103,9 +113,15 @@ class Prober:
         self._trials_run = 0  # in the current session
         self._sharded = sharded_trials(trainer, pl_module)  # FSDP2: guarded trials, reset after a failure
         self._stats: MemoryStats | None = None  # the device allocator's statistics (CUDA), per session
+        self.device_limit = device_limit
+        """Without a budget, the limit the search agreed for every rank where it started
+        (:func:`retune.search.stage.agreed_device_limit`: the smallest rank's); None: read this process's own."""
         self.limit: int | None = budget_bytes
-        """The bytes a trial may peak at: the budget, else what this process can get from a caching allocator
-        (:func:`retune.allocator.process_limit`, read at the session's start), else None (only a real OOM fails)."""
+        """The bytes a trial may peak at: the budget, else on a caching allocator ``device_limit`` or, not given,
+        what this process can get (:func:`retune.allocator.process_limit`, read at the session's start), else None
+        (only a real OOM fails). A search passes ``device_limit``: verdicts from each rank's own free memory would
+        differ between DDP ranks (a size fitting on one, not on another), and the ranks must take the same
+        decisions."""
         self.headroom = 0
         """The largest unreleasable fragmentation measured after a trial this session (reserved but unallocated
         after the cache was emptied): a trial fits only if its peak leaves that much below the limit."""
@@ -134,7 +150,7 @@ class Prober:
         self.eval_extra = resident_in_evaluation(self.pl_module, optimizers, self._stats is not None) if in_fit else 0
         if self.budget_bytes is None and self._stats is not None:
             clear_device_cache(collect=False)
-            self.limit = process_limit(self._stats)
+            self.limit = process_limit(self._stats) if self.device_limit is None else self.device_limit
         try:
             yield self.fits
         finally:
@@ -284,14 +300,19 @@ class Prober:
         With ``time_steps`` each step whose batch holds ``size`` samples is timed: a short last batch of
         a small dataset (the loader cycles) would time another size.
 
-        With ``steady_peaks`` (a verifying probe), on the CPU tracker, a step that creates optimizer state
-        counts the state's bytes with its peak. That sum bounds the next step's peak from above: at every
-        point of the next step the same tensors are alive plus the state, which the creating step held in
-        part or not at all; it is exact where the peak falls in forward or backward, as it does near the
-        memory limit. So a trial of one step at fit start (or just after an unfreeze) is honest about the
-        steps that follow it, which its peak alone is not. A caching allocator's reserved bytes follow no
-        such sum, so there only a step that began with the state is steady. With ``steady_stop`` as well
-        (every step of the trial holds the same batch) the trial ends after its first steady step.
+        A training step runs as the loop runs it (:func:`retune.compat.training_step`): the step before's
+        gradients alive in its forward (on the CPU tracker counted while alive, ``measure_peak(grads=True)``),
+        what ``training_step`` returned alive until the update is done.
+
+        With ``steady_peaks`` (a verifying probe), on the CPU tracker, each step is measured by phase
+        (:class:`~retune.memory.StepPhases`) and counts as its peak the one a later step has
+        (:meth:`~retune.memory.StepPhases.steady`): forward with the gradients of a step before and the optimizer
+        state this one created, backward with the state, an update that created the state as the same update
+        on it (once: where the update is the peak, the state is not added to it again). So a trial of one step
+        at fit start (or just after an unfreeze) is honest about the steps that follow it, which its peak
+        alone is not. A caching allocator's reserved bytes follow no such sum, so there only a step that began
+        with the state and the gradients is steady. With ``steady_stop`` as well (every step of the trial holds
+        the same batch) the trial ends after its first steady step.
         """
         batches = compat.probe_batches(self.trainer, self.stage, loader, self.steps_per_trial)  # close() ends workers
         device = self.pl_module.device
@@ -305,21 +326,29 @@ class Prober:
         self._times = times
         try:
             for raw, batch_idx, dataloader_idx in batches:
-                steady = self.steady_peaks and self.stage == "train"
-                had_state = steady and has_optimizer_state(optimizers)
-                held = resident_bytes(self.pl_module, optimizers) if steady and not had_state else 0
+                train = self.stage == "train"
+                steady = self.steady_peaks and train
+                had_state = steady and has_optimizer_state(optimizers) and _has_gradients(optimizers)
+                held = resident_bytes(self.pl_module, optimizers) if steady else 0
+                phases: StepPhases | None = None
                 with ExitStack() as stack:
                     reading = (
                         stack.enter_context(
-                            measure_peak(device, self.pl_module, optimizers, self._stats, self.eval_extra)
+                            measure_peak(device, self.pl_module, optimizers, self._stats, self.eval_extra, train)
                         )
                         if track
                         else None
                     )
+                    marks = None
+                    if steady and reading is not None and reading.tracker is not None:
+                        marks = PhaseMarks(reading.tracker, reading.grads_before)
+                        stack.enter_context(compat.step_marks(marks))
                     if times is not None and _holds(raw, size):
                         stack.enter_context(timed(device, self.clock, times))
                     batch = compat.batch_to_device(self.trainer, self.pl_module, raw, dataloader_idx)
                     compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx, dataloader_idx)
+                    if marks is not None:
+                        phases = marks.finish(gradient_bytes(self.pl_module))
                 if reading is None:
                     del batch, raw
                     continue
@@ -328,18 +357,26 @@ class Prober:
                     self._reserved = max(self._reserved or 0, reading.peak_reserved)
                 if step_peak is not None and device.type == "cpu":
                     step_peak += tensor_bytes(raw)
-                created = max(0, resident_bytes(self.pl_module, optimizers) - held) if held else 0
-                if step_peak is not None and created and self._stats is None:
-                    step_peak += created  # the state this step created, alive through the next one
+                created = max(0, resident_bytes(self.pl_module, optimizers) - held) if steady else 0
+                if step_peak is not None and phases is not None:
+                    # as a later step has it: the state this one created, the gradients of a step before
+                    step_peak += phases.steady(created) - phases.peak
                 del batch, raw
                 if step_peak is not None:
                     peak = step_peak if peak is None else max(peak, step_peak)
-                steady_now = had_state or (self._stats is None and created > 0)
+                steady_now = had_state or phases is not None
                 if steady and self.steady_stop and steady_now and has_optimizer_state(optimizers):
                     break
         finally:
             batches.close()
         return peak
+
+
+def _has_gradients(optimizers: list[torch.optim.Optimizer]) -> bool:
+    """Whether every trainable parameter of ``optimizers`` has a gradient (from a step before): a step's forward
+    then holds them, as every training step after the first does."""
+    params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    return all(p.grad is not None for p in params if p.requires_grad)
 
 
 def _holds(batch: Any, size: int) -> bool:

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from retune.distributed.local_shards import is_sharded, like_sharded, local
+from retune.probing.attributes import ModuleAttributes
 from retune.probing.host_copy import contiguous_strides, host_copies
 
 
@@ -108,6 +109,9 @@ class TrainingSnapshot:
     stateful: list[tuple[Any, Any]] = field(default_factory=list)
     counters: list[tuple[Any, str, Any]] = field(default_factory=list)
     metrics: list[tuple[nn.Module, dict[str, Any]]] = field(default_factory=list)
+    attributes: ModuleAttributes = field(default_factory=ModuleAttributes)
+    """The contents of the module's public list, dict and set attributes (a step's outputs gathered for an
+    epoch-end hook: :mod:`retune.probing.attributes`)."""
     rng: dict[str, Any] = field(default_factory=dict)
     generators: list[tuple[torch.Generator, torch.Tensor]] = field(default_factory=list)
     nbytes: int = 0
@@ -198,6 +202,7 @@ class TrainingSnapshot:
             snap.optimizers.append(_OptimizerState(optimizer, state, groups))
         snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in stateful]
         snap.counters = [(obj, name, copy.deepcopy(getattr(obj, name))) for obj, name in counters]
+        snap.attributes = ModuleAttributes.capture(module)
         snap.rng = _rng_state()
         snap.generators = [(g, g.get_state()) for g in generators]
         # only now, when nothing above can fail any more: move the run onto the held copies
@@ -224,9 +229,10 @@ class TrainingSnapshot:
     def reset(self) -> None:
         """Start the next probe from the captured state: the state between two probes.
 
-        The captured parameters' gradients are left empty (``None``): the next probe's first step drops
-        them anyway (Lightning calls ``zero_grad`` at the start of every accumulation window), and a
-        gradient held by reference must not be attached, since a step could write into it.
+        The captured parameters' gradients are left empty (``None``): a gradient held by reference must not
+        be attached, since a step could write into it. A probe's first step then runs its forward without
+        the gradients of a step before, which training's later steps hold until ``zero_grad``: its second
+        step measures them, and a one-step verifying probe counts them (:class:`retune.memory.StepPhases`).
         """
         self._put_back(final=False)
 
@@ -272,6 +278,7 @@ class TrainingSnapshot:
         for metric, state in self.metrics:
             for name, value in state.items():
                 setattr(metric, name, copy.deepcopy(value))
+        self.attributes.restore()
         _set_rng_state(self.rng)
         for generator, gen_state in self.generators:
             generator.set_state(gen_state)

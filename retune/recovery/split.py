@@ -198,7 +198,10 @@ def _slice(value: Any, start: int, stop: int, total: int) -> Any:
         items = {key: _slice(item, start, stop, total) for key, item in value.items()}
         return _rebuild_mapping(value, items)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: _slice(getattr(value, f.name), start, stop, total) for f in dataclasses.fields(value)}
+        # init fields only: replace() refuses a field with init=False (its __post_init__ makes it again)
+        changes = {
+            f.name: _slice(getattr(value, f.name), start, stop, total) for f in dataclasses.fields(value) if f.init
+        }
         return dataclasses.replace(value, **changes)
     if isinstance(value, (list, tuple)):
         if _is_container_of_batches(value):

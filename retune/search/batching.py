@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from retune import compat
-from retune.allocator import process_limit, stats_for
 from retune.events import Direction
 from retune.messages import Say
 from retune.probing.prober import Prober
 from retune.schedule.models import RetuneSchedule
-from retune.search.largest import Mode, SearchPlan, SearchResult, run_model_search, run_search
+from retune.search.largest import Mode, SearchPlan, SearchResult, on_power_grid, run_model_search, run_search
 from retune.search.predict_run import PredictionRecord, predicted_search
 from retune.search.throughput import (
     ThroughputPlan,
@@ -55,6 +54,10 @@ class Limits:
     budget: int | None
     """``memory.budget`` in bytes (None: not set)."""
     device: Any
+    step_limit: int | None
+    """The bytes a step may use, read once where the search starts: the budget, else what the device's caching
+    allocator lets every rank have (:func:`~retune.search.stage.agreed_device_limit`: the smallest rank's, so
+    that the ranks take the same decisions), else None. Every limit the search reads is this one."""
 
 
 @dataclass
@@ -141,11 +144,9 @@ class FixedSearch:
         self.needs_peaks = limits.mode == "model"  # search.predict needs a budget or device stats: peaks anyway
         self.largest: int | None = None
         self.prediction = PredictionRecord()
-        # search.predict: the limit a prediction aims at (the budget, else what the device's allocator can give)
-        self.predict_limit = limits.limit if limits.limit is not None else limits.budget
-        if self.predict_limit is None:
-            stats = stats_for(limits.device)
-            self.predict_limit = None if stats is None else process_limit(stats)
+        # search.predict: the limit a prediction aims at (the budget, else what the device's allocator gives every
+        # rank: the ranks' second trace size, number of traces and predicted start must be the same)
+        self.predict_limit = limits.limit if limits.limit is not None else limits.step_limit
         self._trials = 0
 
     def describe(self, plan: SearchPlan) -> str:
@@ -154,7 +155,8 @@ class FixedSearch:
     def run(self, job: SearchJob) -> SearchResult:
         result = self._predicted(job) if job.schedule.search.predict == "auto" else None
         if result is not None:
-            pass
+            if self.mode == "power" and result.size is not None:  # the size power mode would end on, below a fit
+                result.size = on_power_grid(job.plan.start, result.size, job.plan.upper)
         elif self.mode == "model" and self.limit is not None:
             # after an unfreeze the old slope misleads more than it helps: measure the new one
             prior = None if job.cold or job.direction == "down" else job.state.model

@@ -156,6 +156,24 @@ def _next_size(plan: SearchPlan, lo: int | None, hi: int | None, hint: int | Non
     return (lo + hi) // 2, hint
 
 
+def on_power_grid(start: int, size: int, upper: int) -> int:
+    """The size ``power`` mode ends on when ``size`` is the largest that fits: the largest ``start`` doubled or
+    halved a whole number of times that is at most ``size`` (``upper`` itself where ``size`` reaches it, as the
+    doubling stops there). A prediction finds ``size`` directly; ``power`` keeps its sizes.
+
+    >>> on_power_grid(2, 971, 8192), on_power_grid(2, 8192, 8192), on_power_grid(48, 30, 8192)
+    (512, 8192, 24)
+    """
+    if size >= upper:
+        return upper
+    grid = max(1, start)
+    while grid > size:
+        grid = max(1, grid // 2)
+    while grid * 2 <= size:
+        grid *= 2
+    return grid
+
+
 def _apply_margin(plan: SearchPlan, found: int | None, memory_bound: bool) -> int | None:
     """``found`` cut by the margin, a safety cut against batches the probes did not see.
 
@@ -347,6 +365,7 @@ __all__ = [
     "SearchResult",
     "apply_margin",
     "nearest_pair",
+    "on_power_grid",
     "plan_search",
     "run_model_search",
     "run_search",

@@ -44,7 +44,15 @@ from retune.probing.prober import Prober
 from retune.search.largest import SearchPlan
 from retune.search.predicted import PredictedResult, predict_largest, run_predicted_search
 
-__all__ = ["PredictionRecord", "Tracer", "Untraceable", "predicted_search", "steady_probes", "why_not_predict"]
+__all__ = [
+    "PredictionRecord",
+    "Tracer",
+    "Untraceable",
+    "predicted_search",
+    "sample_to_trace",
+    "steady_probes",
+    "why_not_predict",
+]
 
 
 class Untraceable(Exception):
@@ -91,6 +99,12 @@ class Tracer:
     """After a trace: what does not grow with the batch, agreed across ranks (parameters, buffers and optimizer
     state, traced, plus the trainable parameters' gradients; under FSDP2 the rank's account of them:
     :meth:`retune.distributed.fsdp2.ShardAccount.fixed`)."""
+    phases: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    """By traced size, the steady peak of forward, backward and the update, each plus the batch and agreed across
+    ranks (:attr:`retune.prediction.trace.StepTrace.steady_parts`): each grows linearly with the batch, so the
+    prediction draws a line per phase and takes the highest (:class:`retune.search.predicted.Prediction`), where
+    one line through the step's peaks at two sizes would cut across the corner where one phase overtakes
+    another. Empty where the trace does not tell them apart (FSDP2: the rank's account is one peak)."""
     reused: int = 0
     """Predictions taken from an earlier trace of the same training state, batch and size
     (:mod:`retune.prediction.reuse`), without tracing."""
@@ -115,7 +129,7 @@ class Tracer:
             self.optimizer = self.optimizer or phase
             self.reused += 1
             self.seconds += time.perf_counter() - started
-            return self._agreed(kept)
+            return self._agreed(kept, size)
         account = None
         shards: dict[int, int] = {}
         result: Any = None
@@ -140,7 +154,7 @@ class Tracer:
         self.seconds += time.perf_counter() - started
         self.traces += 1
         if isinstance(result, CannotPredict):
-            local: tuple[float, float] | str = str(result)
+            local: tuple[float, tuple[float, ...], float] | str = str(result)
         else:
             self.optimizer = result.optimizer
             grads = sum(p.numel() * p.element_size() for p in self.pl_module.parameters() if p.requires_grad)
@@ -148,13 +162,15 @@ class Tracer:
             # a probe's peak holds its batch: on a CPU the tracker's count plus the loader's batch, on a device the
             # allocator's, after the batch moved there inside the measured block
             peak = float(result.steady_bytes + result.batch_bytes)
+            parts = result.steady_parts
+            phases = tuple(float(part + result.batch_bytes) for part in parts) if parts is not None else ()
             if account is not None:  # the trace held each gradient as the rank's shard from its reduce on
                 peak = rank_peak(result, account, sum(shards.values())) + result.batch_bytes
-                fixed = float(account.fixed(result.created_bytes))
-            local = (peak, fixed)
+                fixed, phases = float(account.fixed(result.created_bytes)), ()
+            local = (peak, phases, fixed)
             if memo is not None:
                 memo.put(key, (local, self.optimizer))
-        return self._agreed(local)
+        return self._agreed(local, size)
 
     def _memo_key(
         self, optimizers: list[Any], size: int, sharded: bool, dtypes: dict[int, Any]
@@ -169,15 +185,34 @@ class Tracer:
         except (Unkeyable, TypeError):  # TypeError: an unhashable module (its own walks and the memo need a hash)
             return None, None
 
-    def _agreed(self, local: tuple[float, float] | str) -> float:
-        """This rank's ``(peak, fixed)`` (or why it cannot trace) agreed across ranks: the largest peak."""
+    def _agreed(self, local: tuple[float, tuple[float, ...], float] | str, size: int) -> float:
+        """This rank's ``(peak, phases, fixed)`` at ``size`` (or why it cannot trace) agreed across ranks: the
+        largest of each (phase by phase, where every rank has them); the peak is returned, the phases kept in
+        :attr:`phases`."""
         gathered = compat.all_gather_object(self.trainer, local)
         reasons = [value for value in gathered if isinstance(value, str)]
         if reasons:
             raise Untraceable(reasons[0])
-        values = [(float(peak), float(fixed)) for peak, fixed in gathered]
-        self.fixed = max(fixed for _, fixed in values)
-        return max(peak for peak, _ in values)
+        values = [(float(peak), tuple(phases), float(fixed)) for peak, phases, fixed in gathered]
+        self.fixed = max(fixed for _, _, fixed in values)
+        parts = [phases for _, phases, _ in values]
+        if parts and all(len(p) == len(parts[0]) and p for p in parts):
+            self.phases[size] = tuple(max(column) for column in zip(*parts, strict=True))
+        return max(peak for peak, _, _ in values)
+
+
+def sample_to_trace(trainer: Any, prober: Prober, size: int) -> Any:
+    """The batch a probe at ``size`` would train on, to trace (:meth:`~retune.probing.prober.Prober.sample_batch`);
+    :class:`Untraceable` on every rank where the loader failed on any (one collective under DDP: a rank without
+    a batch must not leave the others waiting in a trace's agreement)."""
+    try:
+        batch, reason = prober.sample_batch(size), None
+    except Exception as error:  # said as the reason; the loader's failure shows again in the probes that follow
+        batch, reason = None, f"no batch to trace ({type(error).__name__}: {error})"
+    reasons = [r for r in compat.all_gather_object(trainer, reason) if r is not None]
+    if reasons:
+        raise Untraceable(reasons[0])
+    return batch
 
 
 @contextmanager
@@ -240,14 +275,21 @@ def predicted_search(
     first = max(1, min(plan.upper, plan.start))
     started = time.perf_counter()
     try:
-        batch = prober.sample_batch(min(first, 2) if same_batch else first)
-    except Exception as error:  # the loader's own failure shows in the probes that follow, as without predict
+        batch = sample_to_trace(trainer, prober, min(first, 2) if same_batch else first)
+    except Untraceable as error:  # the loader's own failure shows in the probes that follow, as without predict
         record.seconds = time.perf_counter() - started
-        record.fell_back(f"no batch to trace ({type(error).__name__}: {error})", warn_once)
+        record.fell_back(error.reason, warn_once)
         return None
     tracer = Tracer(trainer, pl_module, batch, seconds=time.perf_counter() - started)
     try:
-        prediction = predict_largest(tracer, limit, upper=plan.upper, first=plan.upper, fixed=lambda: tracer.fixed)
+        prediction = predict_largest(
+            tracer,
+            limit,
+            upper=plan.upper,
+            first=plan.upper,
+            fixed=lambda: tracer.fixed,
+            phases=lambda: tracer.phases,
+        )
     except Untraceable as error:
         record.seconds = tracer.seconds
         record.fell_back(error.reason, warn_once)

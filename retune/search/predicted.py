@@ -32,7 +32,7 @@ Example (memory ``1000 + 10 x size``, traced exactly, limit 5000: one probe):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from retune.events import Trial
@@ -61,6 +61,15 @@ class Prediction:
     largest: int
     points: tuple[tuple[int, float], ...]
     """Every ``(size, traced peak)``, in the order traced."""
+    phase_lines: tuple[PeakLine, ...] = ()
+    """One line per phase of the step (forward, backward, the update) where the traces told them apart: the
+    step's peak is the highest, and :attr:`line` is the one that binds at :attr:`largest`."""
+
+    def predict(self, size: int) -> float:
+        """The predicted peak at ``size``: the highest phase line (the line, where there are none)."""
+        if not self.phase_lines:
+            return self.line.predict(size)
+        return max(line.predict(size) for line in self.phase_lines)
 
     @property
     def traced(self) -> tuple[int, ...]:
@@ -94,6 +103,7 @@ def predict_largest(
     first: int,
     fixed: Callable[[], float | None] | None = None,
     max_traces: int = MAX_TRACES,
+    phases: Callable[[], Mapping[int, Sequence[float]]] | None = None,
 ) -> Prediction:
     """The largest size the traced peak line keeps within ``limit``, from two traces where they suffice.
 
@@ -106,7 +116,11 @@ def predict_largest(
     line then extrapolates beyond twice the largest size traced (or below half the smallest), that size is
     traced too (up to ``max_traces``), and the line runs through the two traces nearest the limit.
     ``trace(size)`` is the predicted peak at ``size``;
-    it may raise (the caller turns that into a fallback).
+    it may raise (the caller turns that into a fallback). With ``phases()`` (read after the traces: by traced
+    size, the peak of each phase of the step, each linear in the size) a line is drawn per phase through the two
+    sizes nearest the limit and the prediction is the highest: the step's peak is the highest phase's, so the
+    line through its peaks at two sizes cuts across the corner where one phase overtakes another (over the true
+    peak between them, by 2-5% on a small MLP after an unfreeze); the largest size keeps every phase within it.
     """
     a = max(1, min(upper, first))
     peak_a = trace(a)
@@ -129,7 +143,29 @@ def predict_largest(
             break
         points[largest] = trace(largest)
         order.append(largest)
-    return Prediction(line, largest, tuple((size, points[size]) for size in order))
+    traced = tuple((size, points[size]) for size in order)
+    lines = _phase_lines(dict(phases()) if phases is not None else {}, points, limit)
+    if not lines:
+        return Prediction(line, largest, traced)
+    largest = min(phase.largest_within(limit, upper) for phase in lines)
+    binding = max(lines, key=lambda phase: phase.predict(max(1, largest)))
+    return Prediction(binding, largest, traced, lines)
+
+
+def _phase_lines(
+    phases: Mapping[int, Sequence[float]], points: Mapping[int, float], limit: float
+) -> tuple[PeakLine, ...]:
+    """A line per phase through the two traced sizes nearest the limit, where both have the phases (else none)."""
+    if len(points) < 2:
+        return ()
+    a, b = nearest_pair(points, limit)
+    if a not in phases or b not in phases or len(phases[a]) != len(phases[b]) or not phases[a]:
+        return ()
+    lines = []
+    for at_a, at_b in zip(phases[a], phases[b], strict=True):
+        slope = (at_b - at_a) / (b - a)
+        lines.append(PeakLine(at_a - slope * a, slope))
+    return tuple(lines)
 
 
 def step_from(measured: Mapping[int, int], lo: int | None, hi: int | None, slope: float, limit: float) -> int | None:
@@ -167,10 +203,10 @@ def run_predicted_search(
         ok, peak = measure(size)
         result.trials.append(Trial(size, ok))
         result.peaks.append(peak)
-        result.predicted.append(round(line.predict(size)))
+        result.predicted.append(round(prediction.predict(size)))
         if peak is not None:
             measured[size] = peak
-            pairs.append((line.predict(size), float(peak)))
+            pairs.append((prediction.predict(size), float(peak)))
             calibration = calibrate(pairs)
         if ok:
             lo = size if lo is None else max(lo, size)

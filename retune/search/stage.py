@@ -68,20 +68,22 @@ class Policies:
     accumulate: int | None = None
 
 
-def mode_and_limit(schedule: RetuneSchedule, device: Any, budget: int | None) -> tuple[Mode, int | None, str]:
+def mode_and_limit(
+    schedule: RetuneSchedule, device: Any, budget: int | None, available: int | None
+) -> tuple[Mode, int | None, str]:
     """The search to run and the memory limit ``model`` mode predicts against.
 
-    ``model`` needs measured peaks and a limit: the budget, or what this process can get from the
-    device's caching allocator (:func:`retune.allocator.process_limit`: free memory plus its own
-    reserved, within its memory fraction; not the device's total). Without both it falls back to
-    ``binsearch`` and says so in the event.
+    ``model`` needs measured peaks and a limit: the budget, or ``available``, what the device's caching
+    allocator lets every rank have (:func:`agreed_device_limit`: the smallest rank's
+    :func:`retune.allocator.process_limit`, free memory plus its own reserved, within its memory fraction;
+    not the device's total). Without both it falls back to ``binsearch`` and says so in the event.
     """
     mode = schedule.search.mode
     if mode != "model":
         return mode, budget, ""
     if budget is not None and device.type in ("cpu", "cuda"):
         return "model", budget, ""
-    limit = device_limit(device)
+    limit = available
     if limit is not None:
         return "model", limit, ""
     reason = "no memory.budget set" if budget is None else f"no memory statistics on {device.type}"
@@ -92,6 +94,24 @@ def device_limit(device: Any) -> int | None:
     """What this process can get from ``device``'s caching allocator, or None where it has none (CPU)."""
     stats = stats_for(device)
     return None if stats is None else process_limit(stats)
+
+
+def agreed_device_limit(trainer: Any, device: Any, budget: int | None) -> int | None:
+    """Without a budget, what the device's caching allocator lets *every* rank have: the smallest rank's
+    :func:`device_limit`, read once where a search starts (None: a budget is set, or no rank has a caching
+    allocator).
+
+    Each rank's own limit follows its device's free memory, which differs between GPUs by a few MiB; but
+    the ranks must take the same decisions (the probes' verdicts, the predicted sizes and starts, how many
+    traces and so how many collectives, the buckets' bounds), or they pick different sizes or wait in
+    collectives the others never call. The smallest is the one a size must fit on every rank. One
+    all-gather per search without a budget; with one, every rank has the same number and nothing is
+    exchanged.
+    """
+    if budget is not None:
+        return None
+    limits = [v for v in compat.all_gather_object(trainer, device_limit(device)) if v is not None]
+    return min(limits) if limits else None
 
 
 def search_stage(
@@ -129,11 +149,13 @@ def search_stage(
     started = time.perf_counter()
     device = pl_module.device
     budget = schedule.memory.budget_bytes(device_total_bytes(device))
-    mode, limit, note = mode_and_limit(schedule, device, budget)
+    available = agreed_device_limit(trainer, device, budget)  # one limit for the search, the same on every rank
+    mode, limit, note = mode_and_limit(schedule, device, budget, available)
     loader = batching.loader(trainer, stage)
     if before_plan is not None:
         before_plan(loader)
-    search = batching.begin(loader, say, Limits(mode, limit, note, budget, device))
+    step_limit = budget if budget is not None else available
+    search = batching.begin(loader, say, Limits(mode, limit, note, budget, device, step_limit))
     plan, direction = _plan(
         schedule, mode, compat.dataset_length(loader, trainer.world_size), state, cold, direction, known_oom
     )
@@ -149,6 +171,7 @@ def search_stage(
         budget,
         on_trial=on_trial,
         stage=stage,
+        device_limit=available,
         track_memory=search.needs_peaks or stats_for(device) is not None,  # a caching allocator
         arrange=lambda loader: probe_batches.arrange(loader, stage, prober.steps_per_trial),
         time_steps=config.objective == "throughput",
@@ -274,4 +297,12 @@ def apply_policies(
     return accumulate, factor
 
 
-__all__ = ["Policies", "StageState", "apply_policies", "device_limit", "mode_and_limit", "search_stage"]
+__all__ = [
+    "Policies",
+    "StageState",
+    "agreed_device_limit",
+    "apply_policies",
+    "device_limit",
+    "mode_and_limit",
+    "search_stage",
+]

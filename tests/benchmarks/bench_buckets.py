@@ -177,7 +177,7 @@ class Meter(pl.Callback):  # type: ignore[misc]
         epoch["padded"] += padded
         epoch["real"] += real
         if self.peaks:
-            self._open = measure_peak(pl_module.device, pl_module, list(trainer.optimizers))
+            self._open = measure_peak(pl_module.device, pl_module, list(trainer.optimizers), grads=True)
             self._reading = self._open.__enter__()
             self._bytes = tensor_bytes(batch)
 

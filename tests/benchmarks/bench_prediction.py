@@ -252,7 +252,10 @@ def prediction_errors() -> dict[str, Any]:
                 started = time.perf_counter()
                 predicted = trace_training_step(trainer, m, m.make_batch(2), size)
                 seconds = time.perf_counter() - started
-                with hooks_isolated(trainer, m), measure_peak(torch.device("cpu"), m, trainer.optimizers) as r:
+                with (
+                    hooks_isolated(trainer, m),
+                    measure_peak(torch.device("cpu"), m, trainer.optimizers, grads=True) as r,
+                ):
                     training_step(trainer, m, m.make_batch(size), 0)
                 measured = int(r.peak_bytes or 0)
                 if isinstance(predicted, StepTrace):

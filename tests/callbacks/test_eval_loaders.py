@@ -50,9 +50,10 @@ class TwoLoaders(pl.LightningModule):  # type: ignore[misc,name-defined]
             TensorDataset(torch.randn(n, width, generator=g), torch.randint(0, 2, (n,), generator=g))
             for width in widths
         ]
-        self.steps: list[tuple[str, int | None, int]] = []  # (stage, dataloader_idx, batch size) per step run
-        self.transfers: list[tuple[int, int]] = []  # (dataloader_idx, features) per on_before_batch_transfer
-        self.after_transfers: list[int] = []
+        self._steps: list[tuple[str, int | None, int]] = []  # (stage, dataloader_idx, batch size) per step run
+        # private: a search puts a module's public containers back as they were (retune.probing.attributes)
+        self._transfers: list[tuple[int, int]] = []  # (dataloader_idx, features) per on_before_batch_transfer
+        self._after_transfers: list[int] = []
 
     def _loaders(self, stage: str) -> Any:
         size = getattr(self, f"{stage}_batch_size")
@@ -76,11 +77,11 @@ class TwoLoaders(pl.LightningModule):  # type: ignore[misc,name-defined]
         return self._loaders("predict")
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        self.transfers.append((dataloader_idx, int(batch[0].shape[1])))
+        self._transfers.append((dataloader_idx, int(batch[0].shape[1])))
         return batch
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        self.after_transfers.append(dataloader_idx)
+        self._after_transfers.append(dataloader_idx)
         return batch
 
     def _step(self, stage: str, batch: Any, dataloader_idx: int | None) -> torch.Tensor:
@@ -89,7 +90,7 @@ class TwoLoaders(pl.LightningModule):  # type: ignore[misc,name-defined]
         assert x.shape[1] == self.widths[dataloader_idx or 0], "the batch comes from the loader dataloader_idx names"
         if x.numel() > CAPACITY:
             raise torch.OutOfMemoryError(f"CUDA out of memory (oracle: {x.numel()} elements > {CAPACITY})")
-        self.steps.append((stage, dataloader_idx, int(x.shape[0])))
+        self._steps.append((stage, dataloader_idx, int(x.shape[0])))
         return F.cross_entropy(self.net(x.view(len(x), -1, 8).mean(1)), y)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -149,12 +150,12 @@ def test_every_eval_loader_is_probed_in_turn_and_the_size_fits_the_largest_sampl
     (event,) = finder.history
     assert event.batch_size_after == FITS[1] == getattr(model, f"{stage}_batch_size")
     # the largest size that ran loader 0 through the probe is above the answer: only loader 1 limits it
-    probed = [(idx, size) for s, idx, size in model.steps if s == stage]
+    probed = [(idx, size) for s, idx, size in model._steps if s == stage]
     assert max(size for idx, size in probed if idx == 0) > FITS[1]
     assert max(size for idx, size in probed if idx == 1) == FITS[1]
     # transfer hooks always got the index of the loader whose batch they saw
-    assert all(width == WIDTHS[idx] for idx, width in model.transfers)
-    assert set(model.after_transfers) == {0, 1}
+    assert all(width == WIDTHS[idx] for idx, width in model._transfers)
+    assert set(model._after_transfers) == {0, 1}
     # after the search the real loop ran both loaders at the size found
     real = probed[-REAL_STEPS:]
     assert {idx for idx, _ in real} == {0, 1} and max(size for _, size in real) == FITS[1]
@@ -167,7 +168,7 @@ def test_a_trial_fails_when_only_the_last_loader_runs_out_of_memory() -> None:
     (event,) = finder.history
     # 150 fits loader 0 and fails on loader 1: the trial is a failure, so the search goes down
     assert (event.trials[0].batch_size, event.trials[0].fits) == (150, False)
-    assert ("test", 0, 150) in model.steps and ("test", 1, 150) not in model.steps
+    assert ("test", 0, 150) in model._steps and ("test", 1, 150) not in model._steps
     assert event.batch_size_after == FITS[1]
 
 
@@ -178,7 +179,7 @@ def test_fit_tunes_validation_over_every_val_loader() -> None:
     assert [(e.stage, e.trigger) for e in finder.history] == [("train", "fit_start"), ("val", "fit_start")]
     assert finder.batch_sizes == {"train": TRAIN_MAX, "val": FITS[1]}
     assert (model.train_batch_size, model.val_batch_size) == (TRAIN_MAX, FITS[1])
-    real_val = [(idx, size) for s, idx, size in model.steps if s == "val"][-REAL_STEPS:]
+    real_val = [(idx, size) for s, idx, size in model._steps if s == "val"][-REAL_STEPS:]
     assert {idx for idx, _ in real_val} == {0, 1} and max(size for _, size in real_val) == FITS[1]
 
 
@@ -191,7 +192,7 @@ def test_one_eval_loader_gets_no_dataloader_idx() -> None:
     finder = ScheduledBatchSizeFinder(_schedule("test"), verbose=False)
     _run("test", model, finder)
     assert finder.history[0].batch_size_after == FITS[1]
-    assert {idx for idx, _ in model.transfers} == {0}  # transfer hooks still get 0, as Lightning passes them
+    assert {idx for idx, _ in model._transfers} == {0}  # transfer hooks still get 0, as Lightning passes them
 
 
 def test_an_empty_loader_among_several_is_skipped() -> None:
@@ -244,7 +245,7 @@ def test_a_combined_loader_in_a_zipping_mode_is_one_stream_without_dataloader_id
             return combined_loader.CombinedLoader(loaders, "max_size_cycle")
 
         def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-            self.transfers.append((dataloader_idx, int(batch["large"][0].shape[1])))
+            self._transfers.append((dataloader_idx, int(batch["large"][0].shape[1])))
             return batch
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:  # type: ignore[override]
@@ -256,7 +257,7 @@ def test_a_combined_loader_in_a_zipping_mode_is_one_stream_without_dataloader_id
     finder = ScheduledBatchSizeFinder(_schedule("val"), verbose=False)
     _run("val", model, finder)
     assert finder.history[0].batch_size_after == FITS[1]
-    assert {idx for idx, _ in model.transfers} == {0}
+    assert {idx for idx, _ in model._transfers} == {0}
 
 
 @_ONLY_2X

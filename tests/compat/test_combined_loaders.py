@@ -59,7 +59,7 @@ class Combined(pl.LightningModule):  # type: ignore[misc,name-defined]
         self.capacity = capacity
         self.sets = [_data(sizes[0], 0), _data(sizes[1], 1)]
         self.net = nn.Linear(4, 1)
-        self.batches: list[Any] = []  # the structure of every batch a training step received
+        self._batches: list[Any] = []  # the structure of every batch a training step received
 
     def train_dataloader(self) -> Any:
         loaders = {"small": DataLoader(self.sets[0], batch_size=self.batch_size)}
@@ -67,7 +67,7 @@ class Combined(pl.LightningModule):  # type: ignore[misc,name-defined]
         return loaders if self.mode is None else combined_loader_class()(loaders, self.mode)
 
     def training_step(self, batch: Any) -> torch.Tensor:
-        self.batches.append(type(batch).__name__ if not isinstance(batch, dict) else sorted(batch))
+        self._batches.append(type(batch).__name__ if not isinstance(batch, dict) else sorted(batch))
         parts = _parts(batch)
         if sum(x.shape[0] for x, _ in parts) > self.capacity:
             raise torch.OutOfMemoryError("CUDA out of memory (test oracle)")
@@ -103,17 +103,17 @@ def test_a_users_combined_loader_is_probed_with_its_combined_batches(mode: str) 
     model = Combined(mode)
     finder = _fit(model)
     assert finder.batch_size == CAPACITY // 2  # both parts of every probe batch count
-    assert model.batches and all(b == ["large", "small"] for b in model.batches), model.batches[:4]
+    assert model._batches and all(b == ["large", "small"] for b in model._batches), model._batches[:4]
     trials = finder.history[0].trials
     # two steps per trial that fit, one for a trial that ran out of memory, then the 2 real steps
-    assert len(model.batches) == sum(2 if t.fits else 1 for t in trials) + 2
+    assert len(model._batches) == sum(2 if t.fits else 1 for t in trials) + 2
 
 
 def test_a_dict_of_loaders_is_combined_as_the_fit_loop_combines_it() -> None:
     seed(0)
     model = Combined(None)
     assert _fit(model).batch_size == CAPACITY // 2
-    assert all(b == ["large", "small"] for b in model.batches)
+    assert all(b == ["large", "small"] for b in model._batches)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -176,7 +176,7 @@ class NestedVal(pl.LightningModule):  # type: ignore[misc,name-defined]
         self.val_batch_size = 2
         self.net = nn.Linear(4, 1)
         self.sets = [_data(n, i) for i, n in enumerate((10, 30, 20))]
-        self.seen: list[tuple[int, int]] = []  # (dataloader_idx, batch size)
+        self._seen: list[tuple[int, int]] = []  # (dataloader_idx, batch size)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.sets[0], batch_size=self.batch_size)
@@ -186,7 +186,7 @@ class NestedVal(pl.LightningModule):  # type: ignore[misc,name-defined]
         return {"first": [a, b], "second": c}
 
     def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.seen.append((dataloader_idx, batch[0].shape[0]))
+        self._seen.append((dataloader_idx, batch[0].shape[0]))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return F.mse_loss(self.net(batch[0]), batch[1])
@@ -206,7 +206,7 @@ def test_nested_eval_loaders_are_capped_by_their_largest_dataset() -> None:
     assert finder.batch_sizes["val"] == 30
     trials = finder.history[0].trials
     assert max(t.batch_size for t in trials) == 30, trials
-    assert {idx for idx, _ in model.seen} == {0, 1, 2}  # every loader probed and validated, in turn
+    assert {idx for idx, _ in model._seen} == {0, 1, 2}  # every loader probed and validated, in turn
 
 
 @pytest.mark.skipif(LEGACY, reason="1.9's CombinedLoader keeps its loaders wrapped; it probes the first batches")
@@ -218,10 +218,10 @@ def test_probe_samples_largest_picks_each_combined_loaders_largest_samples() -> 
             super().__init__("max_size_cycle", capacity=10**9)
             for data in self.sets:
                 data.tensors[0][:, 0] = torch.arange(len(data), dtype=torch.float32)  # feature 0: the index
-            self.firsts: list[dict[str, list[int]]] = []
+            self._firsts: list[dict[str, list[int]]] = []
 
         def training_step(self, batch: Any) -> torch.Tensor:
-            self.firsts.append({key: batch[key][0][:, 0].int().tolist() for key in ("small", "large")})
+            self._firsts.append({key: batch[key][0][:, 0].int().tolist() for key in ("small", "large")})
             return super().training_step(batch)
 
     seed(0)
@@ -246,5 +246,5 @@ def test_probe_samples_largest_picks_each_combined_loaders_largest_samples() -> 
             callbacks=[finder],
         ).fit(model)
     assert not [m for m in said if "cannot pick" in m], said
-    assert model.firsts[0] == {"small": [47, 46], "large": [199, 198]}  # the trial at size 2
-    assert model.firsts[-1] == {"small": [0, 1, 2, 3], "large": [0, 1, 2, 3]}  # the real step: the hook's order
+    assert model._firsts[0] == {"small": [47, 46], "large": [199, 198]}  # the trial at size 2
+    assert model._firsts[-1] == {"small": [0, 1, 2, 3], "large": [0, 1, 2, 3]}  # the real step: the hook's order

@@ -54,17 +54,17 @@ class Steps(pl.LightningModule):  # type: ignore[misc,name-defined]
         self.net = nn.Linear(4, 1)
         g = torch.Generator().manual_seed(0)
         self.data = TensorDataset(torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g))
-        self.calls: list[tuple[str, int]] = []
+        self._calls: list[tuple[str, int]] = []
 
     def run(self, hook: str, batch: Any, extra: tuple[Any, ...]) -> torch.Tensor:
-        self.calls.append((hook, len(extra)))
+        self._calls.append((hook, len(extra)))
         x, y = batch
         if x.shape[0] > self.capacity:
             raise torch.OutOfMemoryError("CUDA out of memory (test oracle)")
         return F.mse_loss(self.net(x), y)
 
     def arities(self, hook: str) -> set[int]:
-        return {n for name, n in self.calls if name == hook}
+        return {n for name, n in self._calls if name == hook}
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=self.batch_size)
@@ -181,7 +181,7 @@ def test_training_step_probes_get_the_arguments_lightning_passes(form: str) -> N
     finder = ScheduledBatchSizeFinder({"search": SEARCH, "triggers": [{"kind": "fit_start"}]}, verbose=False)
     _trainer(finder).fit(model)
     assert finder.batch_size == CAPACITY
-    assert len(model.calls) == len(finder.history[0].trials) + 2, "one step per trial, then the two real steps"
+    assert len(model._calls) == len(finder.history[0].trials) + 2, "one step per trial, then the two real steps"
     assert model.arities("training_step") == {EXPECTED[form]}
 
 
@@ -316,12 +316,12 @@ def test_truncated_bptt_probes_the_first_split_with_hiddens() -> None:
             self.truncated_bptt_steps = 2
             g = torch.Generator().manual_seed(0)
             self.data = TensorDataset(torch.randn(N, 6, 4, generator=g), torch.randn(N, 6, 1, generator=g))
-            self.hiddens: list[Any] = []
-            self.lengths: list[int] = []
+            self._hiddens: list[Any] = []
+            self._lengths: list[int] = []
 
         def training_step(self, batch: Any, batch_idx: int, hiddens: Any) -> Any:  # type: ignore[override]
-            self.hiddens.append(hiddens)
-            self.lengths.append(int(batch[0].shape[1]))
+            self._hiddens.append(hiddens)
+            self._lengths.append(int(batch[0].shape[1]))
             x, y = batch
             if x.shape[0] > self.capacity:
                 raise torch.OutOfMemoryError("CUDA out of memory (test oracle)")
@@ -333,5 +333,5 @@ def test_truncated_bptt_probes_the_first_split_with_hiddens() -> None:
     _trainer(finder).fit(model)
     assert finder.batch_size == CAPACITY
     trials = len(finder.history[0].trials)
-    assert model.lengths[:trials] == [2] * trials and model.hiddens[:trials] == [None] * trials
-    assert len(model.lengths) == trials + 2 * 3  # then each real batch as 3 splits of 2 time steps
+    assert model._lengths[:trials] == [2] * trials and model._hiddens[:trials] == [None] * trials
+    assert len(model._lengths) == trials + 2 * 3  # then each real batch as 3 splits of 2 time steps

@@ -38,13 +38,13 @@ class RankModel(FineTuneModel):
     def __init__(self, scenario: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.scenario = scenario
-        self.raw_losses: list[float] = []
+        self._raw_losses: list[float] = []
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         x, y = batch
         loss = F.cross_entropy(self(x), y) * (3.0 if self.global_rank == 1 else 1.0)
-        self.raw_losses.append(float(loss.detach()))
-        if self.scenario == "error" and self.global_rank == 1 and len(self.raw_losses) == 5:
+        self._raw_losses.append(float(loss.detach()))
+        if self.scenario == "error" and self.global_rank == 1 and len(self._raw_losses) == 5:
             raise ValueError("boom on rank 1")
         return loss
 
@@ -70,7 +70,7 @@ class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]
         result = {
             "rank": trainer.global_rank,
             "history": [] if self.finder is None else [e.to_dict() for e in self.finder.history],
-            "raw_losses": model.raw_losses,
+            "raw_losses": model._raw_losses,
             "weights_sha256": hashlib.sha256(weights).hexdigest(),
             "lrs": [g["lr"] for g in trainer.optimizers[0].param_groups],
             "global_step": trainer.global_step,

@@ -120,7 +120,7 @@ class StepPeaks(pl.Callback):  # type: ignore[misc]
         self._open: Any = None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._open = measure_peak(pl_module.device, pl_module, list(trainer.optimizers))
+        self._open = measure_peak(pl_module.device, pl_module, list(trainer.optimizers), grads=True)
         self._reading = self._open.__enter__()
         self._batch_bytes = tensor_bytes(batch)
         self.sizes.append(int(batch[0].shape[0]))

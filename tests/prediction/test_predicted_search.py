@@ -178,6 +178,36 @@ def test_linear_memory_reaches_the_exact_largest_size_in_at_most_two_probes(mode
     assert "verifying a prediction (traces" in format_summary(predicted)
 
 
+class _ScheduledMLP(WideMLP):
+    """``WideMLP`` with an LR scheduler: torch's schedulers wrap the optimizer's ``step`` on the instance."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)}
+
+
+def test_an_lr_scheduler_is_no_reason_to_trace_less_or_to_touch_the_real_optimizer() -> None:
+    """An LR scheduler's wrapper on ``optimizer.step`` calls the real optimizer: copied onto the trace's clone it
+    ran the real update inside the trace (a no-op there, its gradients set aside: the traced update was empty,
+    the prediction 14-16% low, three probes). The clone now steps itself: the same exact size in one probe."""
+    exact = _event(_schedule("binsearch", "off"), _ScheduledMLP())
+    predicted = _event(_schedule("model", "auto"), _ScheduledMLP())
+    assert predicted.prediction == "predicted" and predicted.batch_size_after == exact.batch_size_after
+    assert len(predicted.trials) == 1
+    errors = [e for e in predicted.prediction_errors if e is not None]
+    assert errors and all(abs(e) <= 0.01 for e in errors), errors
+
+
+def test_power_mode_with_prediction_ends_on_a_size_power_mode_would() -> None:
+    """``mode: power`` keeps its sizes (``init_val`` doubled): a prediction verifies the largest size directly,
+    and the size used is the largest power-mode size at or below it, as the search without predict finds."""
+    off = _event(_schedule("power", "off"), WideMLP())
+    predicted = _event(_schedule("power", "auto"), WideMLP())
+    assert predicted.prediction == "predicted" and predicted.batch_size_after == off.batch_size_after
+    assert predicted.batch_size_after & (predicted.batch_size_after - 1) == 0  # a power of two (from init_val 2)
+    assert len(predicted.trials) < len(off.trials)
+
+
 def test_a_one_step_verifying_probe_counts_the_optimizer_state_it_creates() -> None:
     """One step per trial at fit start measures the step that creates Adam's state, whose peak misses the
     state alive with the activations of every later step; a verifying probe counts the state it created,

@@ -267,11 +267,11 @@ class _WithVal(TokenClassifier):
     def __init__(self, data: TokenDataset) -> None:
         super().__init__(data)
         self.val_batch_size = 8
-        self.val_batches: list[tuple[int, int]] = []  # per validation_step call: (rows, long rows)
+        self._val_batches: list[tuple[int, int]] = []  # per validation_step call: (rows, long rows)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         ids, _ = batch
-        self.val_batches.append((ids.shape[0], int(((ids > 0).sum(1) > varlen.BASE_LEN).sum())))
+        self._val_batches.append((ids.shape[0], int(((ids > 0).sum(1) > varlen.BASE_LEN).sum())))
         self.mlp(self.embed(ids))
 
     def val_dataloader(self) -> DataLoader[Any]:
@@ -286,6 +286,6 @@ def test_largest_applies_to_evaluation_stages_too() -> None:
     model = _WithVal(TokenDataset(lengths(240, long_at=(100, 200))))
     varlen.trainer([finder], limit_train_batches=1, limit_val_batches=1).fit(model)
     assert [e.stage for e in finder.history] == ["train", "val"]
-    *probes, real = model.val_batches
+    *probes, real = model._val_batches
     assert probes and all(long == min(2, rows) for rows, long in probes), probes  # the two long samples first
     assert real == (finder.batch_sizes["val"], 0)  # the real validation batch: the first samples

@@ -24,7 +24,7 @@ class _Recording(pl.LightningModule):  # type: ignore[misc]
         self.batch_size = 4
         g = torch.Generator().manual_seed(0)
         self.data = TensorDataset(torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g))
-        self.starts: list[dict[str, torch.Tensor]] = []  # the state each training step starts from
+        self._starts: list[dict[str, torch.Tensor]] = []  # the state each training step starts from
         self.recording = False
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -34,7 +34,7 @@ class _Recording(pl.LightningModule):  # type: ignore[misc]
             for i, p in enumerate(self.parameters()):
                 for key, value in optimizer.state.get(p, {}).items():
                     state[f"state {i} {key}"] = value.detach().clone()
-            self.starts.append(state)
+            self._starts.append(state)
         x, y = batch
         return F.cross_entropy(self.net(x), y)
 
@@ -56,7 +56,7 @@ class _ProbeAtEpochOne(pl.Callback):  # type: ignore[misc]
         if trainer.current_epoch != 1:
             return
         pl_module.recording = True
-        pl_module.starts.clear()
+        pl_module._starts.clear()
         self.storages[0].extend(p.data_ptr() for p in pl_module.parameters())
         prober = Prober(trainer, pl_module, "batch_size", self.steps, track_memory=False)
         with prober.session():
@@ -83,16 +83,16 @@ def test_every_trial_starts_from_the_captured_state(tmp_path: Any) -> None:
     )
     trainer.fit(model)
     # 3 trials x 2 steps, then the epoch's own step; AdamW state exists from epoch 0's step
-    assert len(model.starts) == 7
-    captured = model.starts[0]
+    assert len(model._starts) == 7
+    captured = model._starts[0]
     assert any(key.startswith("state") for key in captured)
     for trial in range(3):
-        first = model.starts[2 * trial]
-        second = model.starts[2 * trial + 1]
+        first = model._starts[2 * trial]
+        second = model._starts[2 * trial + 1]
         assert first.keys() == captured.keys()
         for key in captured:
             assert torch.equal(first[key], captured[key]), f"trial {trial} started from another state: {key}"
         assert not torch.equal(second["param 0"], captured["param 0"]), "the trial's steps do train"
     for key in captured:  # and the run's own step after the search
-        assert torch.equal(model.starts[6][key], captured[key]), key
+        assert torch.equal(model._starts[6][key], captured[key]), key
     assert probe.storages[0] == probe.storages[1], "the search hands back the parameters' own storage"

@@ -40,20 +40,20 @@ class _Watched(pl.LightningModule):  # type: ignore[misc]
         self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
         g = torch.Generator().manual_seed(0)
         self.data = TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
-        self.refs: list[weakref.ref[torch.Tensor]] = []  # the failed attempt's activation and loss
-        self.alive: list[list[bool]] = []  # at the start of each attempt after a failure: which are alive
+        self._refs: list[weakref.ref[torch.Tensor]] = []  # the failed attempt's activation and loss
+        self._alive: list[list[bool]] = []  # at the start of each attempt after a failure: which are alive
         self._full = False
 
     def _step(self, batch: Any) -> torch.Tensor:
         x, y = batch
         full = len(x) > self.capacity
-        if self.refs and not full:
-            self.alive.append([ref() is not None for ref in self.refs])
-            self.refs = []
+        if self._refs and not full:
+            self._alive.append([ref() is not None for ref in self._refs])
+            self._refs = []
         self._full = full
         hidden = self.net[1](self.net[0](x))
         if full:
-            self.refs.append(weakref.ref(hidden))
+            self._refs.append(weakref.ref(hidden))
             if self.where == "forward":
                 raise torch.OutOfMemoryError("CUDA out of memory (oracle: forward)")
         out = self.net[2](hidden)
@@ -61,7 +61,7 @@ class _Watched(pl.LightningModule):  # type: ignore[misc]
             out = FailInBackward.apply(out, full, "oracle: backward")
         loss = F.cross_entropy(out, y)
         if full:
-            self.refs.append(weakref.ref(loss))
+            self._refs.append(weakref.ref(loss))
         return loss
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -107,8 +107,8 @@ def test_train_recovery_starts_its_first_micro_batch_without_the_failed_attempt(
     model = _Watched(where)
     finder = ScheduledBatchSizeFinder(OOM, verbose=False, write_report=False)
     _trainer(finder, limit_train_batches=2, limit_val_batches=0).fit(model)
-    assert model.alive, "the oracle must make a step run out of memory and recover"
-    assert all(not any(alive) for alive in model.alive), f"failed attempt still alive: {model.alive}"
+    assert model._alive, "the oracle must make a step run out of memory and recover"
+    assert all(not any(alive) for alive in model._alive), f"failed attempt still alive: {model._alive}"
     assert [e.micro_batches for e in finder.history if e.is_recovery] == [2]
 
 
@@ -117,7 +117,7 @@ def test_eval_recovery_starts_its_first_micro_batch_without_the_failed_attempt()
     model = _Watched("forward")
     finder = ScheduledBatchSizeFinder(OOM, verbose=False, write_report=False)
     _trainer(finder, limit_val_batches=2).validate(model, verbose=False)
-    assert model.alive and all(not any(alive) for alive in model.alive), model.alive
+    assert model._alive and all(not any(alive) for alive in model._alive), model._alive
 
 
 class _ProbeAt(pl.Callback):  # type: ignore[misc]
@@ -140,7 +140,7 @@ def test_a_probe_trial_after_an_oom_starts_without_the_failed_trial(where: str) 
     probe = _ProbeAt()
     _trainer(probe, limit_train_batches=1, limit_val_batches=0).fit(model)
     assert probe.fits == [False, True]
-    assert model.alive and not any(model.alive[0]), model.alive
+    assert model._alive and not any(model._alive[0]), model._alive
 
 
 class _RangeTestAt(pl.Callback):  # type: ignore[misc]
@@ -154,7 +154,7 @@ class _RangeTestAt(pl.Callback):  # type: ignore[misc]
             run_range_test(trainer, pl_module, [0], RangeTest([1e-3, 1e-2]))
         except torch.OutOfMemoryError as exc:
             assert "oracle" in str(exc) and exc.__traceback__ is not None  # the user's error, with its traceback
-            self.alive = [ref() is not None for ref in pl_module.refs]
+            self.alive = [ref() is not None for ref in pl_module._refs]
         pl_module.capacity = 1000  # the run's own steps fit
 
 
@@ -177,5 +177,5 @@ def test_an_oom_after_backward_reaches_the_user_without_the_failed_steps_tensors
     with pytest.raises(torch.OutOfMemoryError, match="on_after_backward") as info:
         _trainer(finder, limit_train_batches=2, limit_val_batches=0).fit(model)
     assert info.value.__traceback__ is not None  # the user's error, with its traceback
-    assert len(model.refs) == 2, "the oracle must make the first step run out of memory"
-    assert [ref() is not None for ref in model.refs] == [False, False]
+    assert len(model._refs) == 2, "the oracle must make the first step run out of memory"
+    assert [ref() is not None for ref in model._refs] == [False, False]
