@@ -113,7 +113,9 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.live_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, int] = {}
-        self._log: list[tuple[int, int, int]] | None = None  # (storage key, bytes, live bytes after) per new storage
+        self._log: list[tuple[int, int, int]] | None = None  # (serial, bytes, live bytes after) per new storage
+        self._serials: dict[int, int] = {}  # storage key -> the serial it was counted under (keys are reused)
+        self._counted = 0
         self._stances: list[AbstractContextManager[Any]] = []
 
     def __enter__(self) -> CpuPeakTracker:
@@ -177,8 +179,10 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._live[key] = nbytes
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._counted += 1
+        self._serials[key] = self._counted
         if self._log is not None:
-            self._log.append((key, nbytes, self.live_bytes))
+            self._log.append((self._counted, nbytes, self.live_bytes))
         weakref.finalize(storage, self._release, key)
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> int:
@@ -203,10 +207,11 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         storages made so far that are still alive now. For an optimizer update that creates its state, that is
         its temporaries alone: what the same update needs once the state exists before it starts."""
         log, self._log = self._log or [], None
+        alive = {self._serials[key] for key in self._live if key in self._serials}  # by serial: keys are reused
         kept = 0
         need = 0
-        for key, nbytes, live in log:
-            if key in self._live:
+        for serial, nbytes, live in log:
+            if serial in alive:
                 kept += nbytes
             need = max(need, live - start - kept)
         return need
@@ -224,6 +229,7 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def _release(self, key: int) -> None:
         self.live_bytes -= self._live.pop(key, 0)
+        self._serials.pop(key, None)
 
 
 @dataclasses.dataclass
@@ -257,6 +263,9 @@ class StepPhases:
     """Gradient bytes alive when it ended."""
     marked: bool = False
     """Whether the step marked its phases (False: ``forward`` is the whole step's peak)."""
+    accumulating: bool = False
+    """Gradient accumulation (``accumulate_grad_batches > 1``): a window's later micro-batches run backward with the
+    gradients accumulated so far alive, which a step that zeroed them did not hold."""
 
     @property
     def peak(self) -> int:
@@ -277,8 +286,9 @@ class StepPhases:
         """:meth:`steady`'s forward, backward and update, each as a later step has it: each grows linearly with
         the batch (the update only with what the step keeps of it), so a prediction draws a line per phase."""
         forward = self.forward + max(0, self.grads_after - self.grads_before) + created
+        backward = self.backward + created + (self.grads_after if self.accumulating else 0)
         update = self.update_start + created + self.update_need if created else self.update
-        return forward, self.backward + created, update
+        return forward, backward, update
 
 
 class PhaseMarks:
@@ -289,11 +299,12 @@ class PhaseMarks:
         tracker: the tracker counting the step (its peak is reset at each mark, and is the whole step's again
             after :meth:`finish`).
         grads_before: the gradient bytes alive when the step started (:meth:`CpuPeakTracker.adopt`).
+        accumulating: the run accumulates gradients (:attr:`StepPhases.accumulating`).
     """
 
-    def __init__(self, tracker: CpuPeakTracker, grads_before: int) -> None:
+    def __init__(self, tracker: CpuPeakTracker, grads_before: int, accumulating: bool = False) -> None:
         self.tracker = tracker
-        self.phases = StepPhases(grads_before=grads_before)
+        self.phases = StepPhases(grads_before=grads_before, accumulating=accumulating)
         self._phase = 0  # 0 forward, 1 backward, 2 update
 
     def forward_done(self) -> None:

@@ -289,3 +289,19 @@ def test_the_tracker_counts_the_device_it_is_given_only() -> None:
         kept = [torch.empty(1000, device="meta"), torch.empty(10)]
     assert (host.peak_bytes, meta.peak_bytes) == (40, 4000)
     del kept
+
+
+def test_own_need_is_the_peak_beyond_what_the_block_left_alive() -> None:
+    """An update that creates state (kept) and temporaries (freed): its need once the state exists is the
+    temporaries' peak alone, whatever the order; storages are told apart by when they were counted, not by
+    address (a freed temporary's address is reused)."""
+    from retune.memory import CpuPeakTracker
+
+    with CpuPeakTracker() as tracker:
+        tracker.log_new_storages()
+        first = torch.empty(1000)  # state, 4000 bytes, kept
+        temporary = torch.empty(2000)  # 8000 bytes, freed
+        del temporary
+        second = torch.empty(1000)  # state, kept
+        need = tracker.own_need(0)
+    assert need == 8000 and first.numel() == second.numel() == 1000

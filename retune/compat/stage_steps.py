@@ -47,7 +47,11 @@ def step_marks(marks: StepMarks | None) -> Iterator[None]:
 
 
 def _zero_grad(trainer: Any, pl_module: Any, optimizer: Any, batch_idx: int) -> None:
-    """The module's ``optimizer_zero_grad`` hook (``optimizer.zero_grad()`` unless overridden), as the loop calls it."""
+    """The module's ``optimizer_zero_grad`` hook (``optimizer.zero_grad()`` unless overridden), as the loop calls it:
+    at the first batch of an accumulation window only (``batch_idx % accumulate_grad_batches == 0``; a probe's
+    steps count from 0), so a later micro-batch's backward holds the gradients accumulated so far."""
+    if batch_idx % max(1, int(getattr(trainer, "accumulate_grad_batches", 1) or 1)) != 0:
+        return
     if is_legacy(trainer):
         pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer, 0)
     else:
@@ -172,9 +176,9 @@ def _training_step(
 
     def closure() -> torch.Tensor | None:
         output = _forward(trainer, pl_module, batch, batch_idx)
-        outputs.append(output)
+        outputs[:] = [output]  # the latest only, as the loop's closure keeps it (L-BFGS calls it many times)
         loss = _loss_of(output)
-        losses.append(loss)
+        losses[:] = [loss]
         if marks is not None:
             marks.forward_done()
         # where the loop zeroes: after training_step, before backward (the step before's gradients are alive in

@@ -92,6 +92,9 @@ def _one_step(trainer: Any, pl_module: Any, batches: Any, distributed: bool, ste
     try:
         raw, batch_idx, _ = next(batches)
         batch = compat.batch_to_device(trainer, pl_module, raw, None)
+        if pl_module.automatic_optimization:  # one update per rate: no gradient of the rate before (accumulation)
+            for optimizer in trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
         value = compat.training_step(
             trainer, pl_module, batch, batch_idx, wrap_closure=None if sync is None else sync.wrap
         )

@@ -71,6 +71,7 @@ from torch._subclasses.fake_tensor import (
 from retune.compat.data import batch_to_device
 from retune.compat.fake_trace import logging_silenced, optimizers_replaced
 from retune.compat.stage_steps import hooks_isolated, step_marks, training_step
+from retune.compat.state import get_accumulation
 from retune.distributed.fsdp2 import hooks_removed
 from retune.memory import CpuPeakTracker, StepPhases, gradient_bytes, has_optimizer_state, resident_bytes, tensor_bytes
 from retune.prediction.fake_batch import fake_batch
@@ -141,6 +142,8 @@ class StepTrace:
     """Gradient bytes alive when the step started (fakes of the step before's), counted until freed."""
     grads_after: int = 0
     """Gradient bytes alive when the step ended."""
+    accumulating: bool = False
+    """Traced for a run that accumulates gradients (:attr:`retune.memory.StepPhases.accumulating`)."""
 
     @property
     def steady_bytes(self) -> int:
@@ -180,6 +183,7 @@ class StepTrace:
             grads_before=self.grads_before,
             grads_after=self.grads_after,
             marked=True,
+            accumulating=self.accumulating,
         )
 
 
@@ -206,6 +210,7 @@ def trace_step(
     optimizer: OptimizerPhase | None = None,
     compute_dtypes: Mapping[int, torch.dtype] | None = None,
     reduced_gradients: Mapping[int, int] | None = None,
+    accumulating: bool = False,
 ) -> StepTrace | CannotPredict:
     """Trace ``steps`` calls of ``step`` on a fake ``batch`` of ``size`` samples; never raises.
 
@@ -220,7 +225,8 @@ def trace_step(
     fake_training_state`); pass the update's phase with it (:func:`trace_update`). ``reduced_gradients``
     (``id`` of a real parameter -> bytes: :func:`retune.distributed.fsdp2.gradient_shards`) counts each such
     gradient whole when backward makes it and at those bytes once it is accumulated: what an FSDP2 rank keeps
-    of it after its reduce-scatter.
+    of it after its reduce-scatter. ``accumulating``: the run accumulates gradients, so a window's later
+    micro-batches hold them through backward (:attr:`StepTrace.steady_bytes` counts them there).
     """
     started = time.perf_counter()
     count = steps if steps is not None else (1 if has_optimizer_state(optimizers) else 2)
@@ -279,6 +285,7 @@ def trace_step(
         update,
         grads_before,
         grads_after,
+        accumulating,
     )
 
 
@@ -442,6 +449,7 @@ def trace_training_step(
         optimizer,
         compute_dtypes,
         reduced_gradients,
+        get_accumulation(trainer) > 1,
     )
 
 

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +39,9 @@ from torch import nn
 __all__ = ["ModuleAttributes", "attributes_kept"]
 
 _LEFT_ALONE = frozenset({"hparams"})
+_CONTAINERS = (list, dict, set, OrderedDict, defaultdict)
+"""The container types whose contents are put back: these exactly, not their subclasses, which may refuse
+changes (Hugging Face's ``ModelOutput`` refuses ``update``) or mean something else by them."""
 
 
 def _public(sub: nn.Module) -> dict[str, Any]:
@@ -63,13 +67,14 @@ class ModuleAttributes:
             if bindings:
                 kept.bindings.append((sub, public))
             for value in public.values():
-                if isinstance(value, (list, dict, set)) and id(value) not in seen:
+                if type(value) in _CONTAINERS and id(value) not in seen:
                     seen.add(id(value))
                     kept.containers.append((value, value.copy()))
         return kept
 
     def restore(self) -> None:
-        """Put the saved contents back in place (the same container objects) and the saved attributes back."""
+        """Put the saved contents back in place (the same container objects) where they changed, and the saved
+        attributes back. Never raises: a container that refuses is left as it is."""
         for sub, saved in self.bindings:
             attributes = vars(sub)
             for name in [n for n in _public(sub) if n not in saved]:
@@ -78,11 +83,28 @@ class ModuleAttributes:
                 if attributes.get(name) is not value:
                     attributes[name] = value
         for container, saved in self.containers:
-            if isinstance(container, list):
-                container[:] = saved
-            else:  # a dict or a set: emptied and refilled, in place
-                container.clear()
-                container.update(saved)
+            if _same(container, saved):
+                continue
+            try:
+                if isinstance(container, list):
+                    container[:] = saved
+                else:  # a dict or a set: emptied and refilled, in place
+                    container.clear()
+                    container.update(saved)
+            except Exception:  # a container that refuses keeps what the step left (said in the module doc)
+                continue
+
+
+def _same(container: Any, saved: Any) -> bool:
+    """Whether ``container`` holds what ``saved`` does, the same objects (no element's ``==``: a tensor's is
+    elementwise)."""
+    if len(container) != len(saved):
+        return False
+    if isinstance(container, list):
+        return all(a is b for a, b in zip(container, saved, strict=True))
+    if isinstance(container, dict):
+        return all(key in saved and saved[key] is value for key, value in container.items())
+    return all(item in saved for item in container)
 
 
 @contextmanager

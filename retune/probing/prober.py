@@ -311,10 +311,16 @@ class Prober:
         on it (once: where the update is the peak, the state is not added to it again). So a trial of one step
         at fit start (or just after an unfreeze) is honest about the steps that follow it, which its peak
         alone is not. A caching allocator's reserved bytes follow no such sum, so there only a step that began
-        with the state and the gradients is steady. With ``steady_stop`` as well (every step of the trial holds
-        the same batch) the trial ends after its first steady step.
+        with the state and the gradients is steady: a verifying probe there runs two steps at least, and the
+        second (after one of its own) is. With gradient accumulation a window's later micro-batches hold the
+        gradients through backward too (a probe's steps zero where the loop does, at a window's first). With
+        ``steady_stop`` as well (every step of the trial holds the same batch) the trial ends after its first
+        steady step.
         """
-        batches = compat.probe_batches(self.trainer, self.stage, loader, self.steps_per_trial)  # close() ends workers
+        steps = self.steps_per_trial
+        if self.steady_peaks and self._stats is not None and self.stage == "train":
+            steps = max(2, steps)  # on an allocator only a step after one of the trial's own is steady (below)
+        batches = compat.probe_batches(self.trainer, self.stage, loader, steps)  # close() ends workers
         device = self.pl_module.device
         optimizers = list(self.trainer.optimizers) if self.stage == "train" else []
         if self.stage != "train":
@@ -324,11 +330,14 @@ class Prober:
         # the CPU tracker's Python dispatch slows every operator: steps it measures are not timed
         times: list[float] | None = [] if self.time_steps and not (track and device.type == "cpu") else None
         self._times = times
+        accumulating = self.stage == "train" and compat.get_accumulation(self.trainer) > 1
         try:
-            for raw, batch_idx, dataloader_idx in batches:
+            for step, (raw, batch_idx, dataloader_idx) in enumerate(batches):
                 train = self.stage == "train"
                 steady = self.steady_peaks and train
-                had_state = steady and has_optimizer_state(optimizers) and _has_gradients(optimizers)
+                # a step after one of this trial's holds the gradients a later training step holds (some
+                # parameters may never get one: a pooler, an expert no token reached)
+                had_state = steady and has_optimizer_state(optimizers) and (step > 0 or _has_gradients(optimizers))
                 held = resident_bytes(self.pl_module, optimizers) if steady else 0
                 phases: StepPhases | None = None
                 with ExitStack() as stack:
@@ -341,7 +350,7 @@ class Prober:
                     )
                     marks = None
                     if steady and reading is not None and reading.tracker is not None:
-                        marks = PhaseMarks(reading.tracker, reading.grads_before)
+                        marks = PhaseMarks(reading.tracker, reading.grads_before, accumulating)
                         stack.enter_context(compat.step_marks(marks))
                     if times is not None and _holds(raw, size):
                         stack.enter_context(timed(device, self.clock, times))

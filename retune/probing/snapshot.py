@@ -278,10 +278,10 @@ class TrainingSnapshot:
         for metric, state in self.metrics:
             for name, value in state.items():
                 setattr(metric, name, copy.deepcopy(value))
-        self.attributes.restore()
         _set_rng_state(self.rng)
         for generator, gen_state in self.generators:
             generator.set_state(gen_state)
+        self.attributes.restore()  # last, and it never raises
 
 
 def _with_inner_optimizers(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:

@@ -105,3 +105,28 @@ def test_module_attributes_are_put_back_in_place() -> None:
     module.cache = {"c": 3}
     kept.restore()
     assert module.cache == {"c": 3} and cache == {"a": 1}
+
+
+class _Refuses(dict):  # type: ignore[type-arg]
+    """A dict subclass that refuses changes, as Hugging Face's ``ModelOutput`` refuses ``update``."""
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("You cannot use update on this instance")
+
+
+def test_containers_of_other_types_are_left_alone_and_a_restore_never_raises() -> None:
+    """Only plain lists, dicts, sets (and ``OrderedDict``, ``defaultdict``) are put back, and only where they
+    changed: a ``ModelOutput`` kept on the module (a dict subclass that refuses ``update``) broke every search,
+    emptied by the restore that then raised."""
+    module = nn.Linear(2, 2)
+    module.last_output = _Refuses(logits=1)  # type: ignore[assignment]
+    module.outputs = [1]  # type: ignore[assignment]
+    kept = ModuleAttributes.capture(module)
+    module.last_output["extra"] = 2  # type: ignore[index]
+    module.outputs.append(2)  # type: ignore[union-attr]
+    kept.restore()
+    assert dict(module.last_output) == {"logits": 1, "extra": 2}  # not a plain dict: as the step left it
+    assert module.outputs == [1]
+    unchanged = ModuleAttributes.capture(module)
+    unchanged.restore()  # nothing changed: nothing touched
+    assert module.outputs == [1]
