@@ -313,13 +313,15 @@ class Prober:
         alone is not. A caching allocator's reserved bytes follow no such sum, so there only a step that began
         with the state and the gradients is steady: a verifying probe there runs two steps at least, and the
         second (after one of its own) is. With gradient accumulation a window's later micro-batches hold the
-        gradients through backward too (a probe's steps zero where the loop does, at a window's first). With
+        gradients through backward too; a probe's steps zero where the loop does (at a window's first), so
+        there too a verifying probe runs two steps and its second, a later micro-batch, is the steady one. With
         ``steady_stop`` as well (every step of the trial holds the same batch) the trial ends after its first
         steady step.
         """
+        accumulating = self.stage == "train" and compat.get_accumulation(self.trainer) > 1
         steps = self.steps_per_trial
-        if self.steady_peaks and self._stats is not None and self.stage == "train":
-            steps = max(2, steps)  # on an allocator only a step after one of the trial's own is steady (below)
+        if self.steady_peaks and self.stage == "train" and (self._stats is not None or accumulating):
+            steps = max(2, steps)  # only a step after one of the trial's own is steady there (below)
         batches = compat.probe_batches(self.trainer, self.stage, loader, steps)  # close() ends workers
         device = self.pl_module.device
         optimizers = list(self.trainer.optimizers) if self.stage == "train" else []
@@ -330,7 +332,6 @@ class Prober:
         # the CPU tracker's Python dispatch slows every operator: steps it measures are not timed
         times: list[float] | None = [] if self.time_steps and not (track and device.type == "cpu") else None
         self._times = times
-        accumulating = self.stage == "train" and compat.get_accumulation(self.trainer) > 1
         try:
             for step, (raw, batch_idx, dataloader_idx) in enumerate(batches):
                 train = self.stage == "train"
@@ -350,7 +351,7 @@ class Prober:
                     )
                     marks = None
                     if steady and reading is not None and reading.tracker is not None:
-                        marks = PhaseMarks(reading.tracker, reading.grads_before, accumulating)
+                        marks = PhaseMarks(reading.tracker, reading.grads_before)
                         stack.enter_context(compat.step_marks(marks))
                     if times is not None and _holds(raw, size):
                         stack.enter_context(timed(device, self.clock, times))
@@ -373,7 +374,9 @@ class Prober:
                 del batch, raw
                 if step_peak is not None:
                     peak = step_peak if peak is None else max(peak, step_peak)
-                steady_now = had_state or phases is not None
+                # accumulating, the trial's second step is a window's later micro-batch (no zero_grad: backward
+                # holds the gradients), measured as it runs; the first one's steady sum would only bound it
+                steady_now = had_state or (phases is not None and (step > 0 or not accumulating))
                 if steady and self.steady_stop and steady_now and has_optimizer_state(optimizers):
                     break
         finally:
