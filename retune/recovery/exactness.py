@@ -372,7 +372,7 @@ class ExactnessCheck:
     def _loss(self, step: StepParts, batch: Any, what: str) -> float:
         reason = None
         value = math.nan
-        error: Exception | None = None
+        ran_out = False
         try:
             with step.logs.discard(batch):
                 result = step.forward(batch)
@@ -385,24 +385,36 @@ class ExactnessCheck:
                 if not math.isfinite(value):
                     reason = f"the loss of {what} is {value}"
         except Exception as exc:
-            if not is_oom_error(exc):
-                error = exc
-                reason = f"training_step raised {type(exc).__name__}"
-            else:
-                forget_exception(exc)  # its frames hold the forward's activations
+            # a step that needs gradients (torch.autograd.grad for a gradient penalty, a hook registered on an
+            # activation) raises without them: the check cannot run, the step itself can. A genuine error in
+            # training_step raises again from the real forward that follows, with the user's traceback.
+            ran_out = is_oom_error(exc)
+            message = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+            forget_exception(exc)  # its frames hold the forward's activations
+            if ran_out:
                 reason = f"{what} ran out of memory in a forward without gradients"
-        if error is not None:
-            self.agree(reason)  # the other ranks skip; this error reaches them through the step's own status
-            raise error
-        if reason is not None and "out of memory" in reason:
+            else:
+                reason = (
+                    f"training_step raised {type(exc).__name__} ({message}) in a forward without gradients "
+                    "(torch.no_grad), where the check compares the whole batch's loss with its halves'"
+                )
+        if ran_out:
             clear_device_cache()
         self._agree_or_skip(reason)
         return value
 
     def _agree_or_skip(self, reason: str | None) -> None:
+        """Skip the check on every rank when one has a reason: a warning where the user's step kept the check
+        from running (the loss reduction is then unchecked), else a note."""
         reasons = [r for r in self.agree(reason) if r is not None]
         if reasons:
-            self.note(f"the `oom` trigger's exactness check was skipped: {reasons[0]}")
+            if reasons[0].startswith("training_step raised"):
+                self.warn(
+                    f"the `oom` trigger's exactness check was skipped: {reasons[0]}. A recovered step is exact only "
+                    "when `loss_reduction` matches how training_step reduces its loss (docs: guides/oom.md)"
+                )
+            else:
+                self.note(f"the `oom` trigger's exactness check was skipped: {reasons[0]}")
             raise _Skip(reasons[0])
 
 

@@ -11,8 +11,10 @@ raises the real ``torch.OutOfMemoryError`` past ``--capacity-gib``, whatever the
 scenario (MLP, small CNN, small transformer encoder, backbone + head, AdamW):
 
 * Lightning's ``BatchSizeFinder`` (power, binsearch) at fit start, trials counted;
-* retune power / binsearch (real OOM only) and model (``memory.budget`` = the capacity, peaks from
-  CUDA's statistics), cold at fit start and re-tuned after ``BackboneFinetuning`` unfreezes at epoch 1;
+* retune power / binsearch (real OOM only), model (``memory.budget`` = the capacity, peaks from
+  CUDA's statistics) and model with ``search.predict: auto`` (fake-tensor traces, then verifying
+  probes; the rows add each verified size's prediction error), cold at fit start and re-tuned after
+  ``BackboneFinetuning`` unfreezes at epoch 1;
 * the true maximum at fit start, located by bisection with retune's prober and verified at max and
   max + 1.
 
@@ -143,12 +145,19 @@ class TrueMax(pl.Callback):
         module.batch_size = 2
 
 
-def run(name: str, capacity: int) -> list[dict[str, Any]]:
-    rows = []
+def run(name: str, capacity: int, emit: Any) -> None:
+    """Each row to ``emit`` as soon as its run ends (a slow or stuck run still leaves the rows before it)."""
+    started_at = time.perf_counter()
+
+    def stage(what: str) -> None:
+        print(f"[{time.perf_counter() - started_at:7.1f}s] {name}: {what}", flush=True)
+
+    stage("true maximum")
     pl.seed_everything(0)
     module, true_max = SCENARIOS[name](), TrueMax()
     _fit([BackboneFinetuning(unfreeze_backbone_at_epoch=10), true_max], 1, module)
     for mode in ("power", "binsearch"):
+        stage(f"lightning-{mode}")
         pl.seed_everything(0)
         module, count = SCENARIOS[name](), [0]
         original = scaling._try_loop_run
@@ -164,14 +173,16 @@ def run(name: str, capacity: int) -> list[dict[str, Any]]:
             died = _fit([BackboneFinetuning(unfreeze_backbone_at_epoch=10), finder], 1, module)
         finally:
             scaling._try_loop_run = original
-        rows.append({"scenario": name, "phase": "cold", "method": f"lightning-{mode}", "trials": count[0],
+        emit({"scenario": name, "phase": "cold", "method": f"lightning-{mode}", "trials": count[0],
                      "found": finder.optimal_batch_size, "true_max": true_max.value, "verified": true_max.verified,
                      "seconds": time.perf_counter() - started, "died": died, "recovered": 0})  # fmt: skip
-    for mode in ("power", "binsearch", "model"):
+    for method in ("power", "binsearch", "model", "model+predict"):
+        stage(f"retune-{method}")
         pl.seed_everything(0)
         module = SCENARIOS[name]()
+        mode, _, predict = method.partition("+")
         schedule = {
-            "search": {"mode": mode, "margin": 0.0, "max_val": N},
+            "search": {"mode": mode, "margin": 0.0, "max_val": N, "predict": "auto" if predict else "off"},
             "memory": {"budget": f"{capacity}B" if mode == "model" else None},
             # `oom`: a step that still runs out of memory after a search is recovered, and counted below
             "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}, {"kind": "oom"}],
@@ -181,15 +192,15 @@ def run(name: str, capacity: int) -> list[dict[str, Any]]:
         searches = [e for e in finder.history if not e.is_recovery]
         recovered = sum(1 for e in finder.history if e.is_recovery)
         for event, phase in zip(searches, ("cold", "retune"), strict=False):
-            rows.append({"scenario": name, "phase": phase, "method": f"retune-{mode}", "trials": len(event.trials),
+            emit({"scenario": name, "phase": phase, "method": f"retune-{method}", "trials": len(event.trials),
                          "found": event.batch_size_after, "true_max": true_max.value if phase == "cold" else None,
                          "verified": true_max.verified, "seconds": event.duration_s, "peaks": event.peak_bytes,
-                         "died": died, "recovered": recovered})  # fmt: skip
+                         "died": died, "recovered": recovered, "prediction": event.prediction,
+                         "prediction_errors": event.prediction_errors, "note": event.note})  # fmt: skip
         if not searches:
-            rows.append({"scenario": name, "phase": "cold", "method": f"retune-{mode}", "trials": 0, "found": None,
+            emit({"scenario": name, "phase": "cold", "method": f"retune-{method}", "trials": 0, "found": None,
                          "true_max": None, "verified": False, "seconds": 0.0, "died": died,
                          "recovered": recovered})  # fmt: skip
-    return rows
 
 
 def line(row: dict[str, Any]) -> str:
@@ -197,7 +208,10 @@ def line(row: dict[str, Any]) -> str:
     ratio = "" if not row["true_max"] or not row["found"] else f"{row['found'] / row['true_max']:.3f}"
     outcome = row["died"] or (f"recovered {row['recovered']}" if row["recovered"] else "trained")
     head = f"{row['scenario']:12} {row['phase']:7} {row['method']:20} trials {row['trials']:3}"
-    return f"{head} found {row['found']!s:6} true {row['true_max']!s:6} {ratio:6} {row['seconds']:6.2f}s  {outcome}"
+    errors = [f"{e:+.3f}" for e in row.get("prediction_errors") or [] if e is not None]
+    predicted = f"  {row['prediction']} {' '.join(errors)}" if row.get("prediction") else ""
+    found = f"found {row['found']!s:6} true {row['true_max']!s:6} {ratio:6} {row['seconds']:6.2f}s"
+    return f"{head} {found}  {outcome}{predicted}"
 
 
 def main(argv: list[str]) -> int:
@@ -213,11 +227,14 @@ def main(argv: list[str]) -> int:
     torch.cuda.set_per_process_memory_fraction(min(1.0, capacity / total))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
-    for name in args.scenarios:
-        for row in run(name, capacity):
-            rows.append(row)
-            print(line(row), flush=True)
+
+    def emit(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(line(row), flush=True)
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "capacity": capacity, "rows": rows}))
+
+    for name in args.scenarios:
+        run(name, capacity, emit)
     print(f"wrote {args.out}")
     retune_died = [row for row in rows if row["method"].startswith("retune") and row["died"]]
     return 1 if retune_died else 0  # Lightning's own runs may die: that is what the table shows

@@ -97,6 +97,81 @@ def bert() -> tuple[Model, tuple[int, ...]] | None:
     return Model(net, make, lambda net, b: net(input_ids=b[0], labels=b[1]).loss), (8, 32, 128)
 
 
+def explain(trainer: Any, m: Any, host: list[torch.Tensor]) -> dict[str, Any]:
+    """Where a real CUDA step's memory goes, for a prediction that missed: the allocator's peak per phase
+    (forward to ``zero_grad``, backward, update: what ``Tracer.phases`` predicts), the dispatcher-visible
+    tensors of the same step (retune's tracker on real CUDA tensors: what a trace can see at best), and the
+    largest blocks alive at the allocator's peak with the Python frame that allocated them."""
+    from retune.compat.stage_steps import hooks_isolated, step_marks, training_step
+    from retune.memory import CpuPeakTracker
+
+    dev = m.device
+    marks: list[int] = []
+
+    class Marks:
+        def _mark(self) -> None:
+            torch.cuda.synchronize()
+            marks.append(int(torch.cuda.max_memory_allocated()))
+            torch.cuda.reset_peak_memory_stats()
+
+        def forward_done(self) -> None:
+            self._mark()
+
+        def backward_done(self) -> None:
+            self._mark()
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    start = int(torch.cuda.memory_allocated())
+    torch.cuda.reset_peak_memory_stats()
+    with hooks_isolated(trainer, m), step_marks(Marks()):
+        training_step(trainer, m, [t.to(dev) for t in host], 0)
+    torch.cuda.synchronize()
+    marks.append(int(torch.cuda.max_memory_allocated()))
+    out: dict[str, Any] = {"start_allocated": start, "phase_peaks_allocated": marks}
+    torch.cuda.synchronize()
+    start = int(torch.cuda.memory_allocated())
+    tracker = CpuPeakTracker("cuda")
+    torch.cuda.reset_peak_memory_stats()
+    with hooks_isolated(trainer, m), tracker:
+        training_step(trainer, m, [t.to(dev) for t in host], 0)
+    torch.cuda.synchronize()
+    out["dispatcher_visible_peak"] = start + tracker.peak_bytes
+    out["allocator_peak_same_step"] = int(torch.cuda.max_memory_allocated())
+    # the blocks alive at the allocator's peak, by the Python frame that allocated them
+    record = torch.cuda.memory._record_memory_history
+    record(enabled="all", context="alloc", stacks="python", max_entries=200000)
+    try:
+        with hooks_isolated(trainer, m):
+            training_step(trainer, m, [t.to(dev) for t in host], 0)
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        record(enabled=None)
+    live: dict[int, tuple[int, str]] = {}
+    total = best = 0
+    best_live: dict[int, tuple[int, str]] = {}
+    for event in snapshot["device_traces"][0]:
+        action, addr, size = event["action"], event["addr"], event["size"]
+        if action == "alloc":
+            frames = [f for f in event.get("frames", []) if "/torch/" not in f["filename"]][:2]
+            where = " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}" for f in frames)
+            live[addr] = (size, where or "(no Python frame: autograd's device thread or C++)")
+            total += size
+            if total > best:
+                best, best_live = total, dict(live)
+        elif action in ("free_completed",) and addr in live:
+            total -= live.pop(addr)[0]
+    by_site: dict[str, list[int]] = {}
+    for size, where in best_live.values():
+        by_site.setdefault(where, []).append(size)
+    out["new_at_peak"] = best
+    out["new_at_peak_by_site"] = sorted(
+        ([sum(v), len(v), k] for k, v in by_site.items()), key=lambda row: -int(row[0])
+    )[:12]
+    return out
+
+
 def compare(model: Model, sizes: tuple[int, ...], device: str) -> dict[str, Any]:
     """Trace and measure ``model`` at ``sizes`` at train start; rows of predicted vs measured bytes."""
     from retune.allocator import stats_for
@@ -133,8 +208,14 @@ def compare(model: Model, sizes: tuple[int, ...], device: str) -> dict[str, Any]
                         "allocated": measured,
                         "reserved": r.peak_reserved,
                         "trace_s": round(tracer.seconds, 3),
+                        "predicted_phases": [int(b) for b in tracer.phases.get(size, ())],
                     }
                 )
+                if dev.type == "cuda" and size == sizes[-1]:
+                    try:
+                        rows[-1]["explain"] = explain(trainer, m, host)
+                    except Exception as error:  # a diagnosis, never a failed check
+                        rows[-1]["explain"] = {"error": f"{type(error).__name__}: {error}"}
 
     trainer = pl.Trainer(
         max_epochs=1,

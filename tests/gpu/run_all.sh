@@ -25,10 +25,10 @@ gpus="$("$python" -c 'import torch; print(torch.cuda.device_count() if torch.cud
 
 # name | timeout (s) | GPUs needed | script and arguments; the timeouts of one GPU's checks add up to 540 s
 checks=(
-    "oom_recovery_gpu|150|1|tests/gpu/oom_recovery_gpu.py --out $out/oom_recovery_gpu.json"
-    "bench_gpu|240|1|tests/gpu/bench_gpu.py --out $out/bench_gpu.json"
-    "fsdp_check|60|1|tests/gpu/fsdp_check.py"
     "prediction_gpu|90|1|tests/gpu/prediction_gpu.py --out $out/prediction_gpu.json"
+    "oom_recovery_gpu|150|1|tests/gpu/oom_recovery_gpu.py --out $out/oom_recovery_gpu.json"
+    "fsdp_check|60|1|tests/gpu/fsdp_check.py"
+    "bench_gpu|240|1|tests/gpu/bench_gpu.py --out $out/bench_gpu.json"
     "fsdp2_check|240|2|tests/gpu/fsdp2_check.py"
 )
 

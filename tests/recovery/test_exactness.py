@@ -384,6 +384,64 @@ def test_randomness_retune_cannot_switch_off_skips_the_check_with_a_warning() ->
     assert trainer.global_step == 6
 
 
+class NeedsGradients(Classifier):
+    """A step that needs autograd inside ``training_step``: a gradient penalty (``torch.autograd.grad`` of the
+    output by the input, WGAN-GP style) or a hook on an activation (the GPU run's ``oom_recovery_gpu.py`` counts
+    trained samples so). Without gradients, as the check's forwards run, both raise RuntimeError."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__("mean")
+        self.kind = kind
+        self.hooked = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.kind == "penalty":
+            x = x.clone().requires_grad_(True)
+        out = self.net(x)
+        loss = F.cross_entropy(out, y)
+        if self.kind == "penalty":
+            (grad,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+            loss = loss + 0.1 * grad.pow(2).sum(dim=1).mean()
+        else:
+            out.register_hook(self._count)
+        return loss
+
+    def _count(self, grad: torch.Tensor) -> None:
+        self.hooked += 1
+
+
+@pytest.mark.parametrize("kind", ["penalty", "hook"])
+def test_a_step_that_needs_gradients_trains_with_the_check_skipped_and_said(kind: str) -> None:
+    """Found on the first GPU run: the check's forwards run without gradients, and the user's step raised there,
+    killing the run at its first batch. Now the check is skipped with a warning naming the error; the run is the
+    one without the check, bit for bit."""
+    runs = {}
+    for check in (True, False):
+        seed(0)
+        model = NeedsGradients(kind)
+        context = pytest.warns(RetuneWarning, match=r"exactness check was skipped: training_step raised RuntimeError")
+        with context if check else contextlib.nullcontext():
+            trainer, _ = _fit(model, {"kind": "oom", "check_exactness": check})
+        assert trainer.global_step == 6
+        runs[check] = ([p.detach().clone() for p in model.parameters()], model.hooked)
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][0], runs[False][0], strict=True))
+    assert runs[True][1] == runs[False][1] == (6 if kind == "hook" else 0)
+
+
+class Broken(Classifier):
+    """A genuine bug in ``training_step``: it fails with or without gradients."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise KeyError("no field 'pixels' in the batch")
+
+
+def test_a_genuine_error_in_training_step_still_reaches_the_user() -> None:
+    seed(0)
+    with pytest.warns(RetuneWarning, match="training_step raised KeyError"), pytest.raises(KeyError, match="pixels"):
+        _fit(Broken("mean"), {"kind": "oom"})
+
+
 # -- no trace ----------------------------------------------------------------------------------------------------
 
 
