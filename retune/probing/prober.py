@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from retune import compat
-from retune.allocator import MemoryStats, fits_within, process_limit, stats_for
+from retune.allocator import MemoryStats, checked_peak, process_limit, stats_for
 from retune.distributed.collective_guard import PeerFailed
 from retune.distributed.fsdp2 import ShardedTrials
 from retune.errors import RetuneError
@@ -187,7 +187,10 @@ class Prober:
         return ok, steady(self.step_times[-1])
 
     def measure(self, size: int) -> tuple[bool, int | None]:
-        """Run one trial at ``size``: whether it fits, and its peak memory when measurable.
+        """Run one trial at ``size``: whether it fits, and its peak memory when measurable: on a caching allocator
+        with a limit, the quantity the verdict compares with the limit (:func:`retune.allocator.checked_peak`:
+        the allocated peak plus the measured headroom, or the reserved peak), so that a line through the peaks
+        agrees with the verdicts; :attr:`peaks` keeps the allocated peaks (what the events report).
 
         A trial fails on an out-of-memory error or a peak above the budget; any other error propagates
         after the state is restored. Under DDP every rank runs the trial, then the outcome is agreed in
@@ -213,15 +216,17 @@ class Prober:
         agreed_peak = max(p for p in peaks if p is not None) if ok and all(p is not None for p in peaks) else None
         reserved = [r for *_, (r, _) in gathered if r is not None]
         self.headroom = max(h for *_, (_, h) in gathered)
+        checked = agreed_peak
         if ok and agreed_peak is not None and self.limit is not None:
             # ran, but needs more than the budget (or the process's share of the device) allows
-            ok = fits_within(agreed_peak, max(reserved, default=None), self.limit, self.headroom)
+            checked = checked_peak(agreed_peak, max(reserved, default=None), self.headroom)
+            ok = checked <= self.limit
         self.peaks.append(agreed_peak)
         agreed_times = _slowest_rank([t for _, _, _, t, _ in gathered]) if ok else None
         self.step_times.append(agreed_times)
         if self.on_trial is not None:
             self.on_trial(size, ok, agreed_peak, samples_per_second(size, steady(agreed_times)))
-        return ok, agreed_peak
+        return ok, checked
 
     def sample_batch(self, size: int) -> Any:
         """The first batch a trial at ``size`` would train on, as the loader yields it (on the host), without
