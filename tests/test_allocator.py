@@ -224,3 +224,55 @@ def test_a_line_search_reads_the_quantity_the_verdict_checks() -> None:
     # allocated + headroom within 2 GiB: 512 + 935 + 600.5 MiB (936 would pass it by half a MiB)
     assert finder.batch_size == 935, (event.trials, [p // MiB if p else p for p in event.peak_bytes])
     assert len(event.trials) <= 4, event.trials
+
+
+class StaleCache(SimulatedAllocator):
+    """What training left cached (``stale`` bytes: an epoch's larger blocks) until the cache is emptied; a trial
+    run while it is cached carves the optimizer state it creates out of it, and the segment stays pinned (reserved
+    but unallocated) however often the cache is emptied after."""
+
+    def __init__(self, module: Any, stale: int, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        self.stale = stale
+        self.pinned = 0
+
+    def reset_peaks(self) -> None:
+        super().reset_peaks()
+        self.pinned = max(self.pinned, self.stale)
+
+    def empty_cache(self) -> None:
+        self.stale = 0  # a pinned segment is not released
+
+    def read(self) -> AllocatorReading:
+        reading = super().read()
+        extra = self.stale + self.pinned
+        return AllocatorReading(
+            reading.allocated, reading.reserved + extra, reading.peak_allocated, reading.peak_reserved
+        )
+
+
+def test_the_trials_start_from_an_emptied_cache_with_a_budget_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen on an H100: after an unfreeze, ``mode: model`` with a budget found 12735 where binsearch (no budget)
+    found and trained 20415: only the search without a budget emptied the cache first, so the first trial's
+    optimizer state landed in a segment the epoch before had left cached, and 0.94 GiB of it read as
+    fragmentation. Now every search empties the cache before its first trial."""
+    import retune.probing.prober as prober_module
+
+    sizes = {}
+    for stale in (0, 900 * MiB):
+        seed(0)
+        model = _Model(n=4096)
+        allocator = StaleCache(model, stale, resident=512 * MiB, per_sample=MiB, fragment=100 * MiB + MiB // 2)
+        monkeypatch.setattr(prober_module, "clear_device_cache", lambda collect=True, a=allocator: a.empty_cache())
+        schedule = {
+            "triggers": [{"kind": "fit_start"}],
+            "search": {"mode": "model", "margin": 0.0, "max_val": 4096},
+            "memory": {"budget": "2GiB"},
+        }
+        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+        with use_memory_stats(lambda device, a=allocator: a), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _trainer(finder).fit(model)
+        sizes[stale] = finder.batch_size
+        assert allocator.pinned == 0
+    assert sizes[900 * MiB] == sizes[0] == 2048 - 512 - 101  # allocated + 100.5 MiB of fragmentation: 1435
