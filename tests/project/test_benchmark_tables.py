@@ -681,3 +681,73 @@ def test_prediction_targets_and_errors_are_the_results_file() -> None:
         )
         trace = f"{low} s" if low == high else f"{low}-{high} s"
         assert table[name] == [*cells, trace], name
+
+
+# ---------------------------------------------------------------- On a GPU (H100): tests/gpu/results
+
+
+GPU_RESULTS = ROOT / "tests" / "gpu" / "results" / "h100-2026-12-05"
+
+
+def _gpu(name: str) -> Any:
+    return json.loads((GPU_RESULTS / name).read_text(encoding="utf-8"))
+
+
+def test_gpu_search_table_is_the_results_file() -> None:
+    """Every cell of the H100 search table from ``bench_gpu.json``; and every run there trained (none died)."""
+    data = _gpu("bench_gpu.json")
+    assert data["device"] == "NVIDIA H100 80GB HBM3" and data["capacity"] == 2 * 2**30
+    names = {"mlp": "MLP", "cnn": "CNN", "transformer": "transformer"}
+    expected: dict[tuple[str, str], list[str]] = {}
+    for row in data["rows"]:
+        assert not row["died"], row
+        method = row["method"].replace("lightning-", "Lightning ").replace("retune-", "retune ").replace("+", " + ")
+        cells = expected.setdefault((names[row["scenario"]], method), ["", "-"])
+        if row["phase"] == "cold":
+            cells[0] = f"{row['trials']}, {row['found']} / {row['true_max']}"
+        else:
+            cells[1] = f"{row['trials']}, {row['found']}"
+    table = _table(BENCHMARKS, "| scenario | method | cold: trials")
+    assert len(table) == len(expected)
+    for scenario, method, cold, retune in table:
+        want = expected[(scenario, method)]
+        assert cold.split(" (")[0] == want[0], (scenario, method)
+        assert retune == want[1], (scenario, method)
+
+
+def test_gpu_prediction_table_is_the_results_file() -> None:
+    data = _gpu("prediction_gpu.json")
+    assert data["gpu"] == "NVIDIA H100 80GB HBM3"
+    rows = [r for name in ("mlp", "bert") for r in data[name]["rows"]]
+    table = _table(BENCHMARKS, "| model | size | predicted | allocated")
+    assert len(table) == len(rows)
+    for (_, size, predicted, allocated, error, reserved), row in zip(table, rows, strict=True):
+        assert int(size) == row["size"]
+        assert predicted == f"{_fmt(row['predicted'] / 1e6, 1)} MB"
+        assert allocated == f"{_fmt(row['allocated'] / 1e6, 1)} MB"
+        assert reserved == f"{_fmt(row['reserved'] / 1e6, 1)} MB"
+        assert error.replace(MINUS, "-") == _pct(row["error_allocated"]).replace(MINUS, "-")
+    explain = data["mlp"]["rows"][-1]["explain"]
+    phases = " / ".join(_fmt(b / 1e6, 1) for b in explain["phase_peaks_allocated"])
+    traced = " / ".join(_fmt(b / 1e6, 1) for b in data["mlp"]["rows"][-1]["predicted_phases"])
+    _says(
+        BENCHMARKS,
+        f"the allocator peaked at {phases} MB",
+        f"where the trace said {traced} MB",
+        f"+{_fmt(data['bert']['calibrated_error_allocated'] * 100, 2)}% for BERT",
+        f"{_fmt(data['mlp']['calibrated_error_allocated'] * 100, 1)}% for the MLP",
+    )
+
+
+def test_gpu_oom_recovery_figures_are_the_results_file() -> None:
+    data = _gpu("oom_recovery_gpu.json")
+    assert all(data["checks"].values()), data["checks"]
+    _says(
+        BENCHMARKS,
+        f"capped at {_fmt(data['capacity_gib'], 2)} GiB",
+        f"weights within **{_exp(data['max_weight_diff'])}** of an uncapped run",
+        f"median step {_fmt(data['median_step_s'] * 1000, 1)} ms",
+        f"the recovered step {_fmt(data['slowest_step_s'] * 1000, 0)} ms",
+        f"peak allocated {_fmt(data['peak_gib'], 2)} GiB",
+        f"as planned ({data['global_step']})",
+    )
