@@ -135,6 +135,11 @@ class Prober:
         self.eval_extra = 0
         """Evaluation inside fit: bytes the training steps leave resident when validation really runs (gradients,
         optimizer state, the state the next step creates for parameters just unfrozen), added to every peak."""
+        self.record_phases = False
+        """Measure each training trial's peak per phase of the step too (:meth:`phases_at`; ``mode: model`` draws a
+        line per phase). Where the CPU tracker measures: a caching allocator's peak is the step's alone."""
+        self._phases: dict[int, tuple[int, ...]] = {}  # by size, the last trial's agreed peak per phase
+        self._trial_phases: tuple[int, ...] | None = None  # the current trial's, on this rank
 
     @contextmanager
     def session(self) -> Iterator[Callable[[int], bool]]:
@@ -164,6 +169,13 @@ class Prober:
             if self._sharded is not None:
                 self._sharded.prepare()  # an evaluation probe leaves FSDP2's root unsharded: as before the search
             clear_device_cache(collect=False)  # the trials' cached blocks: training starts with the device's memory
+
+    def phases_at(self, size: int) -> tuple[int, ...] | None:
+        """With :attr:`record_phases`, the last trial at ``size`` that ran: its peak by phase of the step (forward,
+        backward, the update), each the highest of its steps and on the same scale as the trial's peak (the
+        largest rank's under DDP); None where the trial did not tell them apart (an allocator, an evaluation
+        stage, manual optimization, a rank without them)."""
+        return self._phases.get(size)
 
     @property
     def snapshot_bytes(self) -> int:
@@ -207,7 +219,7 @@ class Prober:
         status, peak, error = self._local_trial(size)
         message = "" if error is None else f"{type(error).__name__}: {error}"
         times = self._times if status == "fits" else None
-        memory = (self._reserved if status == "fits" else None, self.headroom)
+        memory = (self._reserved if status == "fits" else None, self.headroom, self._trial_phases)
         gathered = compat.all_gather_object(self.trainer, (status, peak, message, times, memory))
         outcomes = [(state, rank_peak, text) for state, rank_peak, text, _, _ in gathered]
         failed = [(rank, text) for rank, (state, _, text) in enumerate(outcomes) if state == "error"]
@@ -219,8 +231,13 @@ class Prober:
         ok = all(state == "fits" for state, _, _ in outcomes)
         peaks = [p for _, p, _ in outcomes]
         agreed_peak = max(p for p in peaks if p is not None) if ok and all(p is not None for p in peaks) else None
-        reserved = [r for *_, (r, _) in gathered if r is not None]
-        self.headroom = max(h for *_, (_, h) in gathered)
+        reserved = [r for *_, (r, _, _) in gathered if r is not None]
+        self.headroom = max(h for *_, (_, h, _) in gathered)
+        by_phase = [ph for *_, (_, _, ph) in gathered]
+        if agreed_peak is not None and by_phase and all(ph and len(ph) == len(by_phase[0]) for ph in by_phase):
+            self._phases[size] = tuple(max(parts) for parts in zip(*[ph for ph in by_phase if ph], strict=True))
+        else:
+            self._phases.pop(size, None)
         checked = agreed_peak
         if ok and agreed_peak is not None and self.limit is not None:
             # ran, but needs more than the budget (or the process's share of the device) allows
@@ -260,6 +277,7 @@ class Prober:
         status, error, peak = "fits", None, None
         self._times = None
         self._reserved = None
+        self._trial_phases = None
         try:
             with self._isolated():
                 if self._trials_run:
@@ -360,7 +378,11 @@ class Prober:
                         else None
                     )
                     marks = None
-                    if steady and reading is not None and reading.tracker is not None:
+                    if (
+                        (steady or (self.record_phases and train))
+                        and reading is not None
+                        and reading.tracker is not None
+                    ):
                         marks = PhaseMarks(reading.tracker, reading.grads_before)
                         stack.enter_context(compat.step_marks(marks))
                     if times is not None and _holds(raw, size):
@@ -378,7 +400,14 @@ class Prober:
                 if step_peak is not None and device.type == "cpu":
                     step_peak += tensor_bytes(raw)
                 created = max(0, resident_bytes(self.pl_module, optimizers) - held) if steady else 0
-                if step_peak is not None and phases is not None:
+                if step_peak is not None and phases is not None and phases.marked and self.record_phases:
+                    # each phase on the step's scale (what is resident, the batch), the highest of the trial's steps
+                    parts = phases.steady_parts(created) if steady else (phases.forward, phases.backward, phases.update)
+                    base = step_peak - phases.peak
+                    here = tuple(base + part for part in parts)
+                    before = self._trial_phases
+                    self._trial_phases = here if before is None else tuple(map(max, before, here))
+                if step_peak is not None and phases is not None and steady:
                     # as a later step has it: the state this one created, the gradients of a step before
                     step_peak += phases.steady(created) - phases.peak
                 del batch, raw

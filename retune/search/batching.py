@@ -160,7 +160,8 @@ class FixedSearch:
         elif self.mode == "model" and self.limit is not None:
             # after an unfreeze the old slope misleads more than it helps: measure the new one
             prior = None if job.cold or job.direction == "down" else job.state.model
-            result = run_model_search(job.plan, job.prober.measure, self.limit, prior)
+            job.prober.record_phases = True  # a line per phase of the step, where the CPU tracker tells them apart
+            result = run_model_search(job.plan, job.prober.measure, self.limit, prior, job.prober.phases_at)
         else:
             result = run_search(job.plan, job.prober.fits)
         if job.schedule.search.objective == "throughput" and result.size is not None:

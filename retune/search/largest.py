@@ -28,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -214,6 +214,7 @@ def run_model_search(
     measure: Callable[[int], tuple[bool, int | None]],
     limit: int,
     prior: MemoryModel | None = None,
+    phases: Callable[[int], Sequence[int] | None] | None = None,
 ) -> SearchResult:
     """Find the largest size whose measured peak stays within ``limit`` in a few probes.
 
@@ -227,11 +228,18 @@ def run_model_search(
     ``prior`` (the last search's line) supplies the per-sample slope while only one point of the new
     regime is known; after an unfreeze its prediction is corrected by the next probe.
 
+    ``phases(size)``: the measured trial's peak per phase of the step (forward, backward, the update: the
+    prober's :meth:`~retune.probing.prober.Prober.phases_at`), where it tells them apart. Each phase grows
+    linearly with the batch but at its own slope, so one line through two step peaks cuts across the corner
+    where one phase overtakes another (a line through two probes where forward binds under-reads the size
+    where backward does); with phases the next size is where the first phase line reaches the limit.
+
     A probe without a peak (a real out-of-memory error) only moves the bracket.
     """
     lo: int | None = None
     hi: int | None = plan.known_fail
     points: dict[int, int] = {}
+    by_phase: dict[int, Sequence[int]] = {}
     trials: list[Trial] = []
     peaks: list[int | None] = []
     size: int | None = plan.start
@@ -241,13 +249,16 @@ def run_model_search(
         peaks.append(peak)
         if peak is not None:
             points[size] = peak
+            measured = phases(size) if phases is not None else None
+            if measured:
+                by_phase[size] = measured
         if ok:
             lo = size if lo is None else max(lo, size)
         else:
             hi = size if hi is None else min(hi, size)
         if len(trials) >= plan.max_trials:
             break
-        size = _model_next(plan, lo, hi, points, limit, prior)
+        size = _model_next(plan, lo, hi, points, limit, prior, by_phase)
     line = _secant(points, limit) or prior
     # below the cap, a model search stops on a failure or on a measured peak one sample short of the limit:
     # either way memory limited the size; the margin cuts where the measured line reaches the limit
@@ -263,6 +274,7 @@ def _model_next(
     points: dict[int, int],
     limit: int,
     prior: MemoryModel | None,
+    by_phase: Mapping[int, Sequence[int]] | None = None,
 ) -> int | None:
     if lo is not None and hi is not None and hi - lo <= 1:
         return None
@@ -293,6 +305,9 @@ def _model_next(
             candidate = plan.then if plan.then is not None and plan.then > lo else lo * 8
     else:
         predicted = line.largest_within(limit, plan.upper)
+        per_phase = phase_lines(by_phase or {}, points, limit)
+        if per_phase:
+            predicted = min(phase.largest_within(limit, plan.upper) for phase in per_phase)
         if lo is not None and predicted <= lo:
             if lo in points and points[lo] + _slope_left_of(points, lo) > limit:
                 return None  # measured at lo; one more sample's memory would exceed the limit
@@ -347,6 +362,32 @@ def nearest_pair(points: Mapping[int, float], limit: float) -> tuple[int, int]:
     return side[0], side[1]
 
 
+def phase_lines(
+    phases: Mapping[int, Sequence[float]], points: Mapping[int, float], limit: float
+) -> tuple[MemoryModel, ...]:
+    """A line per phase of the step through the two sizes nearest the limit (:func:`nearest_pair` of ``points``,
+    the step peaks), where both have their peak per phase in ``phases`` (else none): the step's peak at a size
+    is the highest line there.
+
+    >>> lines = phase_lines({8: (180, 150), 16: (260, 270)}, {8: 180, 16: 270}, limit=400)
+    >>> [(line.fixed, line.per_sample) for line in lines]   # forward binds at 8, backward from 14 on
+    [(100.0, 10.0), (30.0, 15.0)]
+    >>> min(line.largest_within(400, 1000) for line in lines)   # one line through 180 and 270 says 27
+    24
+    """
+    if len(points) < 2:
+        return ()
+    a, b = nearest_pair(points, limit)
+    at_a, at_b = phases.get(a), phases.get(b)
+    if a == b or not at_a or not at_b or len(at_a) != len(at_b):
+        return ()
+    lines = []
+    for x, y in zip(at_a, at_b, strict=True):
+        slope = (y - x) / (b - a)
+        lines.append(MemoryModel(x - slope * a, slope))
+    return tuple(lines)
+
+
 def _secant(points: dict[int, int], limit: int) -> MemoryModel | None:
     """The line through the two measured points nearest the limit (one on each side when possible)."""
     if len(points) < 2:
@@ -366,6 +407,7 @@ __all__ = [
     "apply_margin",
     "nearest_pair",
     "on_power_grid",
+    "phase_lines",
     "plan_search",
     "run_model_search",
     "run_search",

@@ -147,3 +147,57 @@ def test_after_an_unfreeze_a_line_per_phase_predicts_the_size_in_one_probe() -> 
     errors = [e for e in retune.prediction_errors if e is not None]
     assert errors and all(abs(e) <= 0.01 for e in errors), errors
     assert max(peaks.peaks) <= parse_byte_size("15MiB")
+
+
+def test_model_mode_reads_each_trial_by_phase_and_ends_where_binsearch_does() -> None:
+    """``mode: model`` draws a line per phase of the step (``Prober.record_phases``, ``phases_at``): each trial's
+    peak is its highest phase, and after an unfreeze the search ends on the size binsearch finds, every real step
+    at it within the budget."""
+    found = {}
+    for mode in ("binsearch", "model"):
+        seed(1)
+        model = _MLP((64, 1024, 1024, 1024, 10))
+        schedule = {
+            "search": {"mode": mode, "margin": 0.0, "steps_per_trial": 2},
+            "memory": {"budget": "40MiB"},
+            "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],
+        }
+        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+        peaks = StepPeaks()
+        quiet_trainer([_Unfreeze(), peaks, finder], 2, limit_train_batches=4).fit(model)
+        assert max(peaks.peaks) <= parse_byte_size("40MiB")
+        found[mode] = [event.batch_size_after for event in finder.history]
+    assert found["model"] == found["binsearch"]
+
+
+class _PhasesOf(pl.Callback):  # type: ignore[misc,name-defined]
+    def __init__(self, record: bool) -> None:
+        self.record = record
+        self.seen: list[tuple[int | None, tuple[int, ...] | None]] = []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from retune.probing.prober import Prober
+
+        prober = Prober(trainer, pl_module, "batch_size", 2, budget_bytes=parse_byte_size("1GiB"))
+        prober.record_phases = self.record
+        with prober.session():
+            for size in (8, 64):
+                _, peak = prober.measure(size)
+                self.seen.append((peak, prober.phases_at(size)))
+
+
+@pytest.mark.parametrize("record", [True, False])
+def test_a_trial_by_phase_peaks_at_its_highest_phase(record: bool) -> None:
+    seed(1)
+    probe = _PhasesOf(record)
+    quiet_trainer([probe], 1, limit_train_batches=1).fit(_MLP((64, 512, 512, 10), optimizer="adamw"))
+    for peak, phases in probe.seen:
+        if not record:
+            assert phases is None
+            continue
+        assert phases is not None and len(phases) == 3 and max(phases) == peak
+    if record:  # forward and backward grow with the batch; the update (AdamW over the weights) by the batch only
+        (_, small), (_, large) = probe.seen
+        assert small is not None and large is not None
+        assert large[0] - small[0] > 100_000 and large[1] - small[1] > 100_000
+        assert 0 < large[2] - small[2] < 20_000  # 56 more samples of 64 floats, and their logits

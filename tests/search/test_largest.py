@@ -521,3 +521,41 @@ def test_model_mode_cuts_the_margin_from_the_measured_lines_capacity(per_sample:
     result = run_model_search(plan, measure, 2800)
     assert result.max_fitting == (2800 - 100) // per_sample
     assert result.size == expected
+
+
+@pytest.mark.parametrize(("start", "then"), [(4, 8), (16, 32), (2, 40)])
+def test_model_mode_draws_a_line_per_phase_of_the_step(start: int, then: int) -> None:
+    """Forward (``9000 + 10 x size``: the step before's gradients) binds at small sizes, backward (``3000 +
+    20 x size``) from 600 on, the update's flat peak (12000) below both: the true maximum under 20,000 is 850.
+    A line through two step peaks where forward binds predicts 1100, which fails; lines per phase (the prober's
+    ``phases_at``) find 850 on the first prediction. Without phases the search still ends on 850, in more
+    probes."""
+    from retune.search.largest import run_model_search
+
+    def parts(size: int) -> tuple[int, int, int]:
+        return 9000 + 10 * size, 3000 + 20 * size, 12000
+
+    def measure(size: int) -> tuple[bool, int | None]:
+        peak = max(parts(size))
+        return peak <= 20000, peak
+
+    plan = SearchPlan("model", start=start, max_trials=25, margin=0.0, upper=4096, then=then)
+    plain = run_model_search(plan, measure, 20000)
+    phased = run_model_search(plan, measure, 20000, phases=parts)
+    assert plain.max_fitting == phased.max_fitting == 850
+    assert [t.batch_size for t in phased.trials] == [start, then, 850]
+    assert len(plain.trials) > len(phased.trials)
+
+
+def test_model_mode_without_phases_at_a_size_keeps_one_line() -> None:
+    """A trial that did not tell its phases apart (an allocator, manual optimization): the step peaks' line, as
+    before."""
+    from retune.search.largest import run_model_search
+
+    def measure(size: int) -> tuple[bool, int | None]:
+        peak = 1000 + 7 * size
+        return peak <= 8000, peak
+
+    plan = SearchPlan("model", start=8, max_trials=25, margin=0.0, upper=4096)
+    result = run_model_search(plan, measure, 8000, phases=lambda size: None)
+    assert result.max_fitting == 1000 and len(result.trials) == 3
