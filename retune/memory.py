@@ -378,6 +378,17 @@ def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Opt
     return sum(seen.values())
 
 
+def has_gradients(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
+    """Whether every trainable parameter of ``optimizers`` has a gradient (from a step before): a step's forward
+    then holds them until ``zero_grad``, as every training step after the first does.
+
+    Args:
+        optimizers: the optimizers whose trainable parameters to check.
+    """
+    params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    return all(p.grad is not None for p in params if p.requires_grad)
+
+
 def has_optimizer_state(optimizers: Iterable[torch.optim.Optimizer]) -> bool:
     """Whether every trainable parameter of ``optimizers`` has its optimizer state: a step taken now has the
     steady-state peak (state, gradients and activations alive together); before the first step, or for
@@ -623,6 +634,7 @@ __all__ = [
     "StepPhases",
     "gradient_bytes",
     "device_total_bytes",
+    "has_gradients",
     "has_optimizer_state",
     "measure_peak",
     "resident_bytes",

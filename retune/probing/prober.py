@@ -26,6 +26,7 @@ from retune.memory import (
     PhaseMarks,
     StepPhases,
     gradient_bytes,
+    has_gradients,
     has_optimizer_state,
     measure_peak,
     resident_bytes,
@@ -366,7 +367,7 @@ class Prober:
                 steady = self.steady_peaks and train
                 # a step after one of this trial's holds the gradients a later training step holds (some
                 # parameters may never get one: a pooler, an expert no token reached)
-                had_state = steady and has_optimizer_state(optimizers) and (step > 0 or _has_gradients(optimizers))
+                had_state = steady and has_optimizer_state(optimizers) and (step > 0 or has_gradients(optimizers))
                 held = resident_bytes(self.pl_module, optimizers) if steady else 0
                 phases: StepPhases | None = None
                 with ExitStack() as stack:
@@ -421,13 +422,6 @@ class Prober:
         finally:
             batches.close()
         return peak
-
-
-def _has_gradients(optimizers: list[torch.optim.Optimizer]) -> bool:
-    """Whether every trainable parameter of ``optimizers`` has a gradient (from a step before): a step's forward
-    then holds them, as every training step after the first does."""
-    params = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
-    return all(p.grad is not None for p in params if p.requires_grad)
 
 
 def _holds(batch: Any, size: int) -> bool:
