@@ -373,6 +373,7 @@ class ExactnessCheck:
         reason = None
         value = math.nan
         ran_out = False
+        error: Exception | None = None
         try:
             with step.logs.discard(batch):
                 result = step.forward(batch)
@@ -385,32 +386,52 @@ class ExactnessCheck:
                 if not math.isfinite(value):
                     reason = f"the loss of {what} is {value}"
         except Exception as exc:
-            # a step that needs gradients (torch.autograd.grad for a gradient penalty, a hook registered on an
-            # activation) raises without them: the check cannot run, the step itself can. A genuine error in
-            # training_step raises again from the real forward that follows, with the user's traceback.
             ran_out = is_oom_error(exc)
             message = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+            kind = type(exc).__name__
             forget_exception(exc)  # its frames hold the forward's activations
             if ran_out:
                 reason = f"{what} ran out of memory in a forward without gradients"
             else:
+                # a step that needs gradients (torch.autograd.grad for a gradient penalty, a hook registered on an
+                # activation) raises without them: the same forward with them tells it from a genuine error (one
+                # that only a half batch meets, say), which must reach the user now, not at the first recovery
+                error = self._forward_with_gradients(step, batch)
                 reason = (
-                    f"training_step raised {type(exc).__name__} ({message}) in a forward without gradients "
-                    "(torch.no_grad), where the check compares the whole batch's loss with its halves'"
+                    f"training_step raised {kind} ({message}) on {what} in a forward without gradients "
+                    "(torch.no_grad, as the check runs) and ran with them"
                 )
+        if error is not None:  # outside the except block: the no-gradient attempt's frames are gone
+            self.agree(f"training_step raised {type(error).__name__} on {what}")  # the others skip; the step's status
+            raise error  # tells them
         if ran_out:
             clear_device_cache()
         self._agree_or_skip(reason)
         return value
+
+    def _forward_with_gradients(self, step: StepParts, batch: Any) -> Exception | None:
+        """The check's forward again, with gradients (no backward): None when it runs (or runs out of memory, which
+        the check then skips on), else its error with the user's traceback."""
+        try:
+            with torch.enable_grad(), step.logs.discard(batch):
+                result = step.forward(batch)
+            del result
+        except Exception as exc:
+            if not is_oom_error(exc):
+                return exc
+            forget_exception(exc)
+            clear_device_cache()
+        return None
 
     def _agree_or_skip(self, reason: str | None) -> None:
         """Skip the check on every rank when one has a reason: a warning where the user's step kept the check
         from running (the loss reduction is then unchecked), else a note."""
         reasons = [r for r in self.agree(reason) if r is not None]
         if reasons:
-            if reasons[0].startswith("training_step raised"):
+            user = [r for r in reasons if r.startswith("training_step raised")]
+            if user:  # on every rank, whichever rank's step it was
                 self.warn(
-                    f"the `oom` trigger's exactness check was skipped: {reasons[0]}. A recovered step is exact only "
+                    f"the `oom` trigger's exactness check was skipped: {user[0]}. A recovered step is exact only "
                     "when `loss_reduction` matches how training_step reduces its loss (docs: guides/oom.md)"
                 )
             else:

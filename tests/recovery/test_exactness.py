@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import warnings
 from collections import Counter
 from typing import Any
 
@@ -436,10 +437,25 @@ class Broken(Classifier):
         raise KeyError("no field 'pixels' in the batch")
 
 
-def test_a_genuine_error_in_training_step_still_reaches_the_user() -> None:
+class FullBatchesOnly(Classifier):
+    """A bug only a half batch meets: the step reshapes to its configured batch size. Whole batches train; a
+    recovery's micro-batches would raise, at the first out-of-memory step, hours into a run."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = x.reshape(self.batch_size, 6)
+        return F.cross_entropy(self.net(x), y)
+
+
+@pytest.mark.parametrize(("model", "error"), [(Broken, "pixels"), (FullBatchesOnly, "shape")])
+def test_a_genuine_error_in_training_step_reaches_the_user_at_fit_start(model: Any, error: str) -> None:
+    """The check runs the forward that raised again with gradients: where it raises there too, the error is the
+    user's, raised now with their traceback (not skipped, to surface at the first recovery)."""
     seed(0)
-    with pytest.warns(RetuneWarning, match="training_step raised KeyError"), pytest.raises(KeyError, match="pixels"):
-        _fit(Broken("mean"), {"kind": "oom"})
+    with warnings.catch_warnings(record=True) as caught, pytest.raises((KeyError, RuntimeError), match=error):
+        warnings.simplefilter("always")
+        _fit(model("mean"), {"kind": "oom"})
+    assert not [w for w in caught if "exactness check was skipped" in str(w.message)]
 
 
 # -- no trace ----------------------------------------------------------------------------------------------------
