@@ -276,3 +276,48 @@ def test_the_trials_start_from_an_emptied_cache_with_a_budget_too(monkeypatch: p
         sizes[stale] = finder.batch_size
         assert allocator.pinned == 0
     assert sizes[900 * MiB] == sizes[0] == 2048 - 512 - 101  # allocated + 100.5 MiB of fragmentation: 1435
+
+
+class LateFragmentation(SimulatedAllocator):
+    """Fragmentation (``fragment`` bytes left reserved after a step) only from batch size ``from_size`` on: the
+    headroom a search keeps grows in the middle of it."""
+
+    def __init__(self, module: Any, from_size: int, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        self.from_size = from_size
+        self.seen = 0
+
+    def reset_peaks(self) -> None:
+        super().reset_peaks()
+        self.seen = max(self.seen, int(self.module.batch_size))
+
+    def read(self) -> AllocatorReading:
+        reading = super().read()
+        pinned = self.fragment if self.seen >= self.from_size else 0
+        return AllocatorReading(
+            reading.allocated, self.resident + pinned, reading.peak_allocated, reading.peak_reserved
+        )
+
+
+def test_a_line_search_rereads_its_points_when_the_headroom_grows() -> None:
+    """Found by review: the headroom is the largest fragmentation of the session's trials; where it first shows at
+    a larger size, the points measured before it were returned without it and a line through both bases crept
+    down one probe at a time (13 probes; with ``max_trials: 8`` it ended on 512 where 935 fits). A line search now
+    re-reads every point at the current headroom (``Prober.checked_at``)."""
+    seed(0)
+    model = _Model(n=4096)
+    allocator = LateFragmentation(
+        model, from_size=700, resident=512 * MiB, per_sample=MiB, fragment=600 * MiB + MiB // 2
+    )
+    schedule = {
+        "triggers": [{"kind": "fit_start"}],
+        "search": {"mode": "model", "margin": 0.0, "max_val": 4096, "max_trials": 8},
+        "memory": {"budget": "2GiB"},
+    }
+    finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+    with use_memory_stats(lambda device: allocator), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(finder).fit(model)
+    event = finder.history[0]
+    assert finder.batch_size == 935, event.trials
+    assert len(event.trials) <= 6, event.trials

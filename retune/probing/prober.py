@@ -140,6 +140,7 @@ class Prober:
         """Measure each training trial's peak per phase of the step too (:meth:`phases_at`; ``mode: model`` draws a
         line per phase). Where the CPU tracker measures: a caching allocator's peak is the step's alone."""
         self._phases: dict[int, tuple[int, ...]] = {}  # by size, the last trial's agreed peak per phase
+        self._readings: dict[int, tuple[int, int | None]] = {}  # by size, the last trial's agreed allocated, reserved
         self._trial_phases: tuple[int, ...] | None = None  # the current trial's, on this rank
 
     @contextmanager
@@ -151,6 +152,8 @@ class Prober:
         self._trials_run = 0
         self._stats = stats_for(self.pl_module.device)
         self.headroom = 0
+        self._readings.clear()
+        self._phases.clear()
         in_fit = self.stage != "train" and compat.trainer_fn(self.trainer) == "fit"
         optimizers = list(self.trainer.optimizers) if in_fit else []
         self.eval_extra = resident_in_evaluation(self.pl_module, optimizers, self._stats is not None) if in_fit else 0
@@ -170,6 +173,18 @@ class Prober:
             if self._sharded is not None:
                 self._sharded.prepare()  # an evaluation probe leaves FSDP2's root unsharded: as before the search
             clear_device_cache(collect=False)  # the trials' cached blocks: training starts with the device's memory
+
+    def checked_at(self, size: int) -> int | None:
+        """The last trial at ``size`` that ran, as :meth:`measure` would return it now: on a caching allocator with a
+        limit, its allocated peak plus the headroom measured *so far* (or its reserved peak). The headroom is the
+        largest fragmentation of the session's trials and can grow after a trial: a line through peaks returned at
+        different headrooms mixes two bases (a fit below the limit kept at the lower one), so a search re-reads
+        its points here before drawing a line. None where the size has no reading."""
+        reading = self._readings.get(size)
+        if reading is None:
+            return None
+        allocated, reserved = reading
+        return allocated if self.limit is None else checked_peak(allocated, reserved, self.headroom)
 
     def phases_at(self, size: int) -> tuple[int, ...] | None:
         """With :attr:`record_phases`, the last trial at ``size`` that ran: its peak by phase of the step (forward,
@@ -240,6 +255,8 @@ class Prober:
         else:
             self._phases.pop(size, None)
         checked = agreed_peak
+        if agreed_peak is not None:
+            self._readings[size] = (agreed_peak, max(reserved, default=None))
         if ok and agreed_peak is not None and self.limit is not None:
             # ran, but needs more than the budget (or the process's share of the device) allows
             checked = checked_peak(agreed_peak, max(reserved, default=None), self.headroom)

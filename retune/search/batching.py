@@ -161,7 +161,8 @@ class FixedSearch:
             # after an unfreeze the old slope misleads more than it helps: measure the new one
             prior = None if job.cold or job.direction == "down" else job.state.model
             job.prober.record_phases = True  # a line per phase of the step, where the CPU tracker tells them apart
-            result = run_model_search(job.plan, job.prober.measure, self.limit, prior, job.prober.phases_at)
+            prober = job.prober
+            result = run_model_search(job.plan, prober.measure, self.limit, prior, prober.phases_at, prober.checked_at)
         else:
             result = run_search(job.plan, job.prober.fits)
         if job.schedule.search.objective == "throughput" and result.size is not None:

@@ -215,6 +215,7 @@ def run_model_search(
     limit: int,
     prior: MemoryModel | None = None,
     phases: Callable[[int], Sequence[int] | None] | None = None,
+    recheck: Callable[[int], int | None] | None = None,
 ) -> SearchResult:
     """Find the largest size whose measured peak stays within ``limit`` in a few probes.
 
@@ -233,6 +234,10 @@ def run_model_search(
     linearly with the batch but at its own slope, so one line through two step peaks cuts across the corner
     where one phase overtakes another (a line through two probes where forward binds under-reads the size
     where backward does); with phases the next size is where the first phase line reaches the limit.
+
+    ``recheck(size)``: a measured point's peak as the verdict reads it now (the prober's
+    :meth:`~retune.probing.prober.Prober.checked_at`: a caching allocator's headroom can grow after a point was
+    measured), re-read before each line is drawn.
 
     A probe without a peak (a real out-of-memory error) only moves the bracket.
     """
@@ -256,6 +261,9 @@ def run_model_search(
             lo = size if lo is None else max(lo, size)
         else:
             hi = size if hi is None else min(hi, size)
+        if recheck is not None:
+            for known in points:
+                points[known] = recheck(known) or points[known]
         if len(trials) >= plan.max_trials:
             break
         size = _model_next(plan, lo, hi, points, limit, prior, by_phase)

@@ -296,6 +296,6 @@ def predicted_search(
         return None
     record.path, record.seconds = "predicted", tracer.seconds
     with steady_probes(prober, same_batch):
-        result = run_predicted_search(plan, prediction, prober.measure, limit)
+        result = run_predicted_search(plan, prediction, prober.measure, limit, prober.checked_at)
     record.predicted = list(result.predicted)
     return result

@@ -187,10 +187,12 @@ def run_predicted_search(
     prediction: Prediction,
     measure: Callable[[int], tuple[bool, int | None]],
     limit: int,
+    recheck: Callable[[int], int | None] | None = None,
 ) -> PredictedResult:
     """Verify the predicted largest size with real probes and correct it until the largest probed fit is the
     largest the calibrated line allows (see the module doc). ``plan`` gives the bounds, the known failure
-    and the trial budget; its start is not used (the prediction is)."""
+    and the trial budget; its start is not used (the prediction is). ``recheck(size)``: a measured peak as the
+    verdict reads it now (:meth:`~retune.probing.prober.Prober.checked_at`), re-read before each calibration."""
     lo: int | None = None
     hi: int | None = plan.known_fail
     measured: dict[int, int] = {}
@@ -207,7 +209,12 @@ def run_predicted_search(
         if peak is not None:
             measured[size] = peak
             pairs.append((prediction.predict(size), float(peak)))
-            calibration = calibrate(pairs)
+        if recheck is not None and measured:
+            for known in measured:
+                measured[known] = recheck(known) or measured[known]
+            pairs = [(prediction.predict(known), float(value)) for known, value in measured.items()]
+        if peak is not None or recheck is not None:
+            calibration = calibrate(pairs) if pairs else calibration
         if ok:
             lo = size if lo is None else max(lo, size)
         else:
