@@ -157,6 +157,7 @@ def search_buckets(
     known_fit: Mapping[int, int] | None = None,
     only: Sequence[int] | None = None,
     tolerance: float = 0.0,
+    recheck: Callable[[int, int], int | None] | None = None,
 ) -> BucketSearchResult:
     """Find every bucket's largest fitting batch size (before any margin).
 
@@ -170,6 +171,9 @@ def search_buckets(
     ``tolerance`` (a fraction, 0 by default: the exact largest size) accepts a probe that fit within that
     fraction of the largest size the bucket's own measured line allows, without probing closer (the
     caller passes the schedule's margin: the precision a margin already gives up).
+
+    ``recheck(bucket, size)``: a probe's peak as the verdict reads it now (a caching allocator's headroom can grow
+    after the probe: :meth:`retune.probing.prober.Prober.checked_from`), re-read before every line is drawn.
     """
     count = len(largest)
     if len(uppers) != count:
@@ -194,6 +198,7 @@ def search_buckets(
         search = _ModelSearch(
             largest, uppers, measure, limit, start, max_trials, previous, direction, prior, lo, hi, trials, tolerance
         )
+        search.recheck = recheck
         result.memory = search.run(order)
         result.capacity = [search.capacity.get(b) for b in range(count)]
     # a size that fits longer samples fits shorter ones: carry the best known fit down the lengths
@@ -292,6 +297,8 @@ class _ModelSearch:
         self.lo, self.hi, self.trials = lo, hi, trials
         self.tolerance = tolerance
         self.points: list[Point] = []
+        self.measured: list[int] = []  # the bucket of each point
+        self.recheck: Callable[[int, int], int | None] | None = None
         self.own: dict[int, dict[int, int]] = {b: {} for b in range(len(largest))}
         self.fixed: float | None = None
         self.slopes: dict[int, float] = {}
@@ -315,7 +322,9 @@ class _ModelSearch:
                 _, peak = _record(self.trials, self.measure, bucket, size, self.lo, self.hi)
                 if peak is not None:
                     self.points.append((size, self.largest[bucket], peak))
+                    self.measured.append(bucket)
                     self.own[bucket][size] = peak
+                self._reread()
             line = self._own_line(bucket)
             if line is not None and bucket == self.anchor and self.fixed is None:
                 self.fixed = line[0]
@@ -331,6 +340,17 @@ class _ModelSearch:
             return self.prior
         slopes = tuple(self.slopes.get(b) for b in range(len(self.largest)))
         return BucketMemory(self.fixed, slopes, fit_model(self.points))
+
+    def _reread(self) -> None:
+        """Every point as the verdict reads it now (:attr:`recheck`)."""
+        if self.recheck is None:
+            return
+        for i, bucket in enumerate(self.measured):
+            size, longest, peak = self.points[i]
+            now = self.recheck(bucket, size)
+            if now is not None and now != peak:
+                self.points[i] = (size, longest, now)
+                self.own[bucket][size] = now
 
     def _bound_by(self, bucket: int, done: list[int]) -> None:
         """What the searched buckets say without a probe: a size that fit longer samples fits, and a size

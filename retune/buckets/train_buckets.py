@@ -442,13 +442,22 @@ class TrainBuckets:
 
             return arrange
 
+        readings: dict[tuple[int, int], tuple[int, int | None]] = {}
+
         def measure(bucket: int, size: int) -> tuple[bool, int | None]:
             prober.arrange = arrange_for(bucket, size)
             self.current_bucket = bucket
             try:
-                return prober.measure(size)
+                measured = prober.measure(size)
             finally:
                 self.current_bucket = None
+            if prober.last_reading is not None:
+                readings[(bucket, size)] = prober.last_reading
+            return measured
+
+        def recheck(bucket: int, size: int) -> int | None:
+            reading = readings.get((bucket, size))
+            return None if reading is None else prober.checked_from(reading)
 
         known_fail = {
             b: min(failed, self.state.failed.get(b, failed)) if same_buckets else failed
@@ -485,6 +494,7 @@ class TrainBuckets:
                 },
                 only=only,
                 tolerance=tolerance,
+                recheck=recheck,
             )
 
         def capacity_of(bucket: int) -> float | None:

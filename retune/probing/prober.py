@@ -141,6 +141,7 @@ class Prober:
         line per phase). Where the CPU tracker measures: a caching allocator's peak is the step's alone."""
         self._phases: dict[int, tuple[int, ...]] = {}  # by size, the last trial's agreed peak per phase
         self._readings: dict[int, tuple[int, int | None]] = {}  # by size, the last trial's agreed allocated, reserved
+        self._last_reading: tuple[int, int | None] | None = None
         self._trial_phases: tuple[int, ...] | None = None  # the current trial's, on this rank
 
     @contextmanager
@@ -174,6 +175,17 @@ class Prober:
                 self._sharded.prepare()  # an evaluation probe leaves FSDP2's root unsharded: as before the search
             clear_device_cache(collect=False)  # the trials' cached blocks: training starts with the device's memory
 
+    @property
+    def last_reading(self) -> tuple[int, int | None] | None:
+        """The last trial's agreed ``(allocated peak, reserved peak)`` when it ran (None: it ran out of memory, or
+        measured nothing): :meth:`checked_from` reads it at the headroom of any later moment."""
+        return self._last_reading
+
+    def checked_from(self, reading: tuple[int, int | None]) -> int:
+        """A trial's ``(allocated, reserved)`` reading as the verdict reads it now (:meth:`checked_at`)."""
+        allocated, reserved = reading
+        return allocated if self.limit is None else checked_peak(allocated, reserved, self.headroom)
+
     def checked_at(self, size: int) -> int | None:
         """The last trial at ``size`` that ran, as :meth:`measure` would return it now: on a caching allocator with a
         limit, its allocated peak plus the headroom measured *so far* (or its reserved peak). The headroom is the
@@ -181,10 +193,7 @@ class Prober:
         different headrooms mixes two bases (a fit below the limit kept at the lower one), so a search re-reads
         its points here before drawing a line. None where the size has no reading."""
         reading = self._readings.get(size)
-        if reading is None:
-            return None
-        allocated, reserved = reading
-        return allocated if self.limit is None else checked_peak(allocated, reserved, self.headroom)
+        return None if reading is None else self.checked_from(reading)
 
     def phases_at(self, size: int) -> tuple[int, ...] | None:
         """With :attr:`record_phases`, the last trial at ``size`` that ran: its peak by phase of the step (forward,
@@ -255,8 +264,9 @@ class Prober:
         else:
             self._phases.pop(size, None)
         checked = agreed_peak
-        if agreed_peak is not None:
-            self._readings[size] = (agreed_peak, max(reserved, default=None))
+        self._last_reading = None if agreed_peak is None else (agreed_peak, max(reserved, default=None))
+        if self._last_reading is not None:
+            self._readings[size] = self._last_reading
         if ok and agreed_peak is not None and self.limit is not None:
             # ran, but needs more than the budget (or the process's share of the device) allows
             checked = checked_peak(agreed_peak, max(reserved, default=None), self.headroom)
