@@ -201,6 +201,20 @@ def test_no_advice_with_expandable_segments_or_a_margin(monkeypatch: pytest.Monk
         assert not any("expandable_segments" in str(x.message) for x in w)
 
 
+def _model_search(model: _Model, allocator: SimulatedAllocator, **search: Any) -> ScheduledBatchSizeFinder:
+    """A cold ``mode: model`` search under a 2 GiB budget on ``allocator``'s numbers, margin 0."""
+    schedule = {
+        "triggers": [{"kind": "fit_start"}],
+        "search": {"mode": "model", "margin": 0.0, "max_val": 4096, **search},
+        "memory": {"budget": "2GiB"},
+    }
+    finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+    with use_memory_stats(lambda device: allocator), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(finder).fit(model)
+    return finder
+
+
 def test_a_line_search_reads_the_quantity_the_verdict_checks() -> None:
     """Seen on an H100: with fragmentation measured (600 MiB reserved but unallocated after a trial), sizes fail
     whose allocated peak is far below the budget; ``mode: model`` (and ``predict``) fitted their line to the
@@ -211,15 +225,7 @@ def test_a_line_search_reads_the_quantity_the_verdict_checks() -> None:
     seed(0)
     model = _Model(n=4096)
     allocator = SimulatedAllocator(model, resident=512 * MiB, per_sample=MiB, fragment=600 * MiB + MiB // 2)
-    schedule = {
-        "triggers": [{"kind": "fit_start"}],
-        "search": {"mode": "model", "margin": 0.0, "max_val": 4096},
-        "memory": {"budget": "2GiB"},
-    }
-    finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
-    with use_memory_stats(lambda device: allocator), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _trainer(finder).fit(model)
+    finder = _model_search(model, allocator)
     event = finder.history[0]
     # allocated + headroom within 2 GiB: 512 + 935 + 600.5 MiB (936 would pass it by half a MiB)
     assert finder.batch_size == 935, (event.trials, [p // MiB if p else p for p in event.peak_bytes])
@@ -264,16 +270,7 @@ def test_the_trials_start_from_an_emptied_cache_with_a_budget_too(monkeypatch: p
         model = _Model(n=4096)
         allocator = StaleCache(model, stale, resident=512 * MiB, per_sample=MiB, fragment=100 * MiB + MiB // 2)
         monkeypatch.setattr(prober_module, "clear_device_cache", lambda collect=True, a=allocator: a.empty_cache())
-        schedule = {
-            "triggers": [{"kind": "fit_start"}],
-            "search": {"mode": "model", "margin": 0.0, "max_val": 4096},
-            "memory": {"budget": "2GiB"},
-        }
-        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
-        with use_memory_stats(lambda device, a=allocator: a), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _trainer(finder).fit(model)
-        sizes[stale] = finder.batch_size
+        sizes[stale] = _model_search(model, allocator).batch_size
         assert allocator.pinned == 0
     assert sizes[900 * MiB] == sizes[0] == 2048 - 512 - 101  # allocated + 100.5 MiB of fragmentation: 1435
 
@@ -309,15 +306,7 @@ def test_a_line_search_rereads_its_points_when_the_headroom_grows() -> None:
     allocator = LateFragmentation(
         model, from_size=700, resident=512 * MiB, per_sample=MiB, fragment=600 * MiB + MiB // 2
     )
-    schedule = {
-        "triggers": [{"kind": "fit_start"}],
-        "search": {"mode": "model", "margin": 0.0, "max_val": 4096, "max_trials": 8},
-        "memory": {"budget": "2GiB"},
-    }
-    finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
-    with use_memory_stats(lambda device: allocator), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _trainer(finder).fit(model)
+    finder = _model_search(model, allocator, max_trials=8)
     event = finder.history[0]
     assert finder.batch_size == 935, event.trials
     assert len(event.trials) <= 6, event.trials
