@@ -396,10 +396,11 @@ class ExactnessCheck:
                 # a step that needs gradients (torch.autograd.grad for a gradient penalty, a hook registered on an
                 # activation) raises without them: the same forward with them tells it from a genuine error (one
                 # that only a half batch meets, say), which must reach the user now, not at the first recovery
-                error = self._forward_with_gradients(step, batch)
+                error, ran = self._forward_with_gradients(step, batch)
                 reason = (
                     f"training_step raised {kind} ({message}) on {what} in a forward without gradients "
-                    "(torch.no_grad, as the check runs) and ran with them"
+                    "(torch.no_grad, as the check runs) and "
+                    + ("ran with them" if ran else "ran out of memory with them")
                 )
         if error is not None:  # outside the except block: the no-gradient attempt's frames are gone
             self.agree(f"training_step raised {type(error).__name__} on {what}")  # the others skip; the step's status
@@ -409,19 +410,20 @@ class ExactnessCheck:
         self._agree_or_skip(reason)
         return value
 
-    def _forward_with_gradients(self, step: StepParts, batch: Any) -> Exception | None:
-        """The check's forward again, with gradients (no backward): None when it runs (or runs out of memory, which
-        the check then skips on), else its error with the user's traceback."""
+    def _forward_with_gradients(self, step: StepParts, batch: Any) -> tuple[Exception | None, bool]:
+        """The check's forward again, with gradients (no backward): ``(error, ran)``; the error (with the user's
+        traceback) where it raised anything but an out-of-memory error, which the check then skips on."""
         try:
             with torch.enable_grad(), step.logs.discard(batch):
                 result = step.forward(batch)
             del result
         except Exception as exc:
             if not is_oom_error(exc):
-                return exc
+                return exc, False
             forget_exception(exc)
             clear_device_cache()
-        return None
+            return None, False
+        return None, True
 
     def _agree_or_skip(self, reason: str | None) -> None:
         """Skip the check on every rank when one has a reason: a warning where the user's step kept the check

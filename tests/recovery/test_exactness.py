@@ -430,6 +430,31 @@ def test_a_step_that_needs_gradients_trains_with_the_check_skipped_and_said(kind
     assert runs[True][1] == runs[False][1] == (6 if kind == "hook" else 0)
 
 
+class NeedsGradientsAndMemory(Classifier):
+    """Raises without gradients (a gradient penalty), and the check's forward with gradients runs out of memory:
+    the real ``torch.OutOfMemoryError``, raised by hand once (no GPU in the suite)."""
+
+    def __init__(self) -> None:
+        super().__init__("mean")
+        self.forwards = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.forwards += 1
+        if not torch.is_grad_enabled():
+            raise RuntimeError("element 0 of tensors does not require grad")
+        if self.forwards == 2:  # the check's forward again, with gradients
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_step_that_needs_gradients_and_runs_out_of_memory_with_them_is_skipped_and_said() -> None:
+    seed(0)
+    model = NeedsGradientsAndMemory()
+    with pytest.warns(RetuneWarning, match="raised RuntimeError .* and ran out of memory with them"):
+        trainer, _ = _fit(model, {"kind": "oom"})
+    assert trainer.global_step == 6
+
+
 class Broken(Classifier):
     """A genuine bug in ``training_step``: it fails with or without gradients."""
 
