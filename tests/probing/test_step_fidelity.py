@@ -171,18 +171,32 @@ def test_model_mode_reads_each_trial_by_phase_and_ends_where_binsearch_does() ->
 
 
 class _PhasesOf(pl.Callback):  # type: ignore[misc,name-defined]
-    def __init__(self, record: bool) -> None:
-        self.record = record
+    """At train start, measures sizes 8 and 64 by phase (``record``): what ``measure`` returned and ``phases_at``.
+    ``other(size, ours)``: a second rank's answer to the trial's gather, simulated (DDP's agreement)."""
+
+    def __init__(self, record: bool, other: Any = None) -> None:
+        self.record, self.other = record, other
         self.seen: list[tuple[int | None, tuple[int, ...] | None]] = []
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        import retune.compat as compat_module
         from retune.probing.prober import Prober
 
         prober = Prober(trainer, pl_module, "batch_size", 2, budget_bytes=parse_byte_size("1GiB"))
         prober.record_phases = self.record
+        gather = compat_module.all_gather_object
         with prober.session():
             for size in (8, 64):
-                _, peak = prober.measure(size)
+
+                def two(trainer: Any, ours: Any, size: int = size) -> list[Any]:
+                    return [*gather(trainer, ours), self.other(size, ours)]
+
+                if self.other is not None:
+                    compat_module.all_gather_object = two  # type: ignore[assignment]
+                try:
+                    _, peak = prober.measure(size)
+                finally:
+                    compat_module.all_gather_object = gather
                 self.seen.append((peak, prober.phases_at(size)))
 
 
@@ -203,34 +217,6 @@ def test_a_trial_by_phase_peaks_at_its_highest_phase(record: bool) -> None:
         assert 0 < large[2] - small[2] < 20_000  # 56 more samples of 64 floats, and their logits
 
 
-class _TwoRanks(pl.Callback):  # type: ignore[misc,name-defined]
-    """Measures two sizes as if a second rank had answered ``other(size, ours)`` in the gather."""
-
-    def __init__(self, other: Any) -> None:
-        self.other = other
-        self.seen: list[tuple[int | None, tuple[int, ...] | None]] = []
-
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        import retune.compat as compat_module
-        from retune.probing.prober import Prober
-
-        prober = Prober(trainer, pl_module, "batch_size", 2, budget_bytes=parse_byte_size("1GiB"))
-        prober.record_phases = True
-        gather = compat_module.all_gather_object
-        with prober.session():
-            for size in (8, 64):
-
-                def two(trainer: Any, ours: Any, size: int = size) -> list[Any]:
-                    return [*gather(trainer, ours), self.other(size, ours)]
-
-                compat_module.all_gather_object = two  # type: ignore[assignment]
-                try:
-                    _, peak = prober.measure(size)
-                finally:
-                    compat_module.all_gather_object = gather
-                self.seen.append((peak, prober.phases_at(size)))
-
-
 def test_ranks_agree_on_each_phase_as_the_larger_rank_has_it_or_on_none() -> None:
     """Under DDP each rank reads its own step by phase; the search draws its lines through the agreed phases: each
     the larger rank's. A rank that did not tell its phases apart leaves the size without phases on every rank (the
@@ -246,7 +232,7 @@ def test_ranks_agree_on_each_phase_as_the_larger_rank_has_it_or_on_none() -> Non
 
     for other, expect_phases in ((larger_backward, True), (without_phases, False)):
         seed(1)
-        probe = _TwoRanks(other)
+        probe = _PhasesOf(True, other)
         quiet_trainer([probe], 1, limit_train_batches=1).fit(_MLP((64, 512, 512, 10), optimizer="adamw"))
         for peak, phases in probe.seen:
             if not expect_phases:
