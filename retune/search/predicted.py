@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from retune.events import Trial
 from retune.prediction.line import Calibration, PeakLine, calibrate
-from retune.search.largest import MemoryModel, SearchPlan, SearchResult, apply_margin, nearest_pair
+from retune.search.largest import MemoryModel, SearchPlan, SearchResult, apply_margin, nearest_pair, phase_lines
 
 __all__ = [
     "Prediction",
@@ -144,28 +144,15 @@ def predict_largest(
         points[largest] = trace(largest)
         order.append(largest)
     traced = tuple((size, points[size]) for size in order)
-    lines = _phase_lines(dict(phases()) if phases is not None else {}, points, limit)
+    lines = tuple(  # a line per phase through the two traced sizes nearest the limit, where both have them
+        PeakLine(line.fixed, line.per_sample)
+        for line in phase_lines(dict(phases()) if phases is not None else {}, points, limit)
+    )
     if not lines:
         return Prediction(line, largest, traced)
     largest = min(phase.largest_within(limit, upper) for phase in lines)
     binding = max(lines, key=lambda phase: phase.predict(max(1, largest)))
     return Prediction(binding, largest, traced, lines)
-
-
-def _phase_lines(
-    phases: Mapping[int, Sequence[float]], points: Mapping[int, float], limit: float
-) -> tuple[PeakLine, ...]:
-    """A line per phase through the two traced sizes nearest the limit, where both have the phases (else none)."""
-    if len(points) < 2:
-        return ()
-    a, b = nearest_pair(points, limit)
-    if a not in phases or b not in phases or len(phases[a]) != len(phases[b]) or not phases[a]:
-        return ()
-    lines = []
-    for at_a, at_b in zip(phases[a], phases[b], strict=True):
-        slope = (at_b - at_a) / (b - a)
-        lines.append(PeakLine(at_a - slope * a, slope))
-    return tuple(lines)
 
 
 def step_from(measured: Mapping[int, int], lo: int | None, hi: int | None, slope: float, limit: float) -> int | None:

@@ -12,7 +12,6 @@ Scenarios:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -31,7 +30,7 @@ from retune.search.batching import FixedSearch, SearchJob
 from retune.search.largest import SearchResult
 from tests.ddp import ddp_trainer
 from tests.helpers import bucket_data
-from tests.helpers.dist_utils import leave_rank
+from tests.helpers.dist_utils import leave_rank, write_rank_result
 from tests.helpers.lightning_ns import pl
 from tests.prediction.test_predicted_search import WideMLP
 
@@ -103,19 +102,15 @@ class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]
 
     def teardown(self, trainer: Any, model: Any, stage: str) -> None:
         event = self.finder.history[0]
-        result = {
-            "rank": trainer.global_rank,
-            "batch_size": self.finder.batch_size,
-            "trials": [[t.batch_size, t.fits] for t in event.trials],
-            "peaks": event.peak_bytes,
-            "prediction": event.prediction,
-            "bucket_sizes": event.bucket_sizes,
-            "bucket_bounds": event.bucket_bounds,
-            "limits": self.seen,
-            "by_steps": self.finder._buckets is not None and self.finder._buckets.state.by_steps,
-        }
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+        write_rank_result(
+            self.out,
+            trainer.global_rank,
+            self.finder,
+            bucket_sizes=event.bucket_sizes,
+            bucket_bounds=event.bucket_bounds,
+            limits=self.seen,
+            by_steps=self.finder._buckets is not None and self.finder._buckets.state.by_steps,
+        )
 
 
 def main() -> None:

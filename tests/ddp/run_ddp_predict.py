@@ -14,7 +14,6 @@ Scenarios:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 from retune import ScheduledBatchSizeFinder
 from tests.ddp import ddp_trainer
-from tests.helpers.dist_utils import leave_rank
+from tests.helpers.dist_utils import leave_rank, write_rank_result
 from tests.helpers.lightning_ns import pl
 from tests.prediction.test_predicted_search import WideMLP, _schedule
 
@@ -60,18 +59,9 @@ class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]
 
     def teardown(self, trainer: Any, model: Any, stage: str) -> None:
         event = self.finder.history[0]
-        result = {
-            "rank": trainer.global_rank,
-            "batch_size": self.finder.batch_size,
-            "trials": [[t.batch_size, t.fits] for t in event.trials],
-            "peaks": event.peak_bytes,
-            "predicted": event.predicted_bytes,
-            "prediction": event.prediction,
-            "note": event.note,
-            "seen": self.seen,
-        }
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+        write_rank_result(
+            self.out, trainer.global_rank, self.finder, predicted=event.predicted_bytes, note=event.note, seen=self.seen
+        )
 
 
 def main() -> None:

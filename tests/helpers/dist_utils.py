@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -141,3 +142,19 @@ def leave_rank() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def write_rank_result(out: Path, rank: int, finder: Any, **extra: Any) -> None:
+    """A rank script's result, ``out/rank{rank}.json``: the finder's first search (size applied, trials, peaks,
+    prediction path) and the script's own ``extra`` fields, for the test that runs the script to compare ranks."""
+    event = finder.history[0]
+    result = {
+        "rank": rank,
+        "batch_size": finder.batch_size,
+        "trials": [[t.batch_size, t.fits] for t in event.trials],
+        "peaks": event.peak_bytes,
+        "prediction": event.prediction,
+        **extra,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
