@@ -350,6 +350,9 @@ class _Phases:
                 self._started(start)
                 self.skipped_peak = max(self.skipped_peak, start + self.reuse.extra_bytes)
                 self.extra = self.reuse.extra_bytes
+                # as after a measured update: the peak from here is the step's tail, not forward and backward
+                # again (read as the update's peak, it made a skipped update as large as the whole step)
+                tracker.peak_bytes = tracker.live_bytes
                 return loss
             if closure is not None:
                 with torch.enable_grad():

@@ -198,6 +198,24 @@ def test_an_lr_scheduler_is_no_reason_to_trace_less_or_to_touch_the_real_optimiz
     assert errors and all(abs(e) <= 0.01 for e in errors), errors
 
 
+@pytest.mark.parametrize("mode", ["model", "binsearch"])
+def test_a_re_tune_once_the_optimizer_state_exists_is_predicted_as_exactly_as_the_first(mode: str) -> None:
+    """A re-tune at an epoch milestone, nothing changed but the optimizer state now existing: its traces reuse
+    the first one's update. The reused update left forward and backward's peak standing as the update's own,
+    so the update phase grew with the batch (15x the measured peak at size 1, a line saying no size fits,
+    probes at 1 and 2, and up to 8 probes): now the re-tune costs one probe, within 1% as at fit start."""
+    schedule = _schedule(mode, "auto")
+    schedule["triggers"] = [{"kind": "fit_start"}, {"kind": "epoch", "at": [1]}]
+    pl.seed_everything(0)
+    finder = _fit(schedule, WideMLP(), epochs=2)
+    assert finder is not None and [e.trigger for e in finder.history] == ["fit_start", "epoch"]
+    first, again = finder.history
+    assert again.prediction == "predicted" and again.batch_size_after == first.batch_size_after
+    assert len(again.trials) == 1, [(t.batch_size, t.fits) for t in again.trials]
+    errors = [e for e in again.prediction_errors if e is not None]
+    assert errors and all(abs(e) <= 0.01 for e in errors), errors
+
+
 def test_power_mode_with_prediction_ends_on_a_size_power_mode_would() -> None:
     """``mode: power`` keeps its sizes (``init_val`` doubled): a prediction verifies the largest size directly,
     and the size used is the largest power-mode size at or below it, as the search without predict finds."""

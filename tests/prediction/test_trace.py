@@ -311,6 +311,9 @@ def test_a_trace_that_reuses_the_optimizer_update_predicts_what_a_full_trace_doe
         assert reused.optimizer == full.optimizer
         assert reused.steady_bytes == full.steady_bytes, (scenario, full, reused)
         assert reused.peak_bytes == full.peak_bytes, (scenario, full, reused)
+        # and phase by phase (a prediction draws a line per phase): the skipped update is the measured one
+        assert reused.update_bytes == full.update_bytes, (scenario, full, reused)
+        assert reused.steady_parts == full.steady_parts, (scenario, full, reused)
 
 
 def test_the_compute_moment_of_a_trace_ends_where_the_update_starts() -> None:
