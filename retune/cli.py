@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fine-tune a small CNN on scikit-learn's digits and watch the batch size change at the unfreeze",
         description="Pretrain a small CNN on handwritten digits 0-4, fine-tune it on 5-9 with BackboneFinetuning "
         "(frozen, then unfrozen) and ScheduledBatchSizeFinder under a memory budget, then print the searches "
-        "and the accuracy and write history.json, history.csv and batch_size.png. About a minute on 2 CPU "
+        "and the accuracy and write history.json, history.csv and batch_size.png. About 20 seconds on 2 CPU "
         "cores; the data ships with scikit-learn, nothing is downloaded.",
     )
     p.add_argument(

@@ -17,6 +17,7 @@ from retune.compat import combined_loaders
 from retune.compat.loops import eval_loop, trainer_fn
 from retune.compat.namespace import import_module, is_legacy, namespace_of
 from retune.errors import RetuneError
+from retune.random_state import preserved_rng, sampler_generators
 
 _HOOKS = {
     "train": "train_dataloader",
@@ -69,8 +70,17 @@ def reload_dataloader(trainer: Any, stage: str) -> None:
         return
     if stage == "train":
         loop = trainer.fit_loop
-        loop._combined_loader = None
-        loop.setup_data()
+        replaced = loop._combined_loader
+        seeds = _base_seeds(replaced)
+        generators = [g for dl in (replaced.flattened if replaced is not None else []) for g in sampler_generators(dl)]
+        # ``setup_data`` calls the hook and creates the new loader's iterator, whose base seed is a draw (from
+        # torch's global RNG, or the loader's own generator) a run started at this size never makes: it made
+        # its draw for the loader this one replaces. Without this every later shuffle and dropout mask would
+        # differ from that run's (a datamodule that keeps one generator for its loaders: its shuffles)
+        with preserved_rng(generators):
+            loop._combined_loader = None
+            loop.setup_data()
+        _give_base_seeds(loop._combined_loader, seeds)  # its workers seeded as the replaced loader's were
         # the loop gave the loader this one replaces its epoch (a DistributedSampler's shuffle order);
         # without it the new loader would replay epoch 0's order
         for loader in loop._combined_loader.flattened:
@@ -82,6 +92,31 @@ def reload_dataloader(trainer: Any, stage: str) -> None:
         return  # validation inside fit rebuilds it when it next runs
     loop.setup_data()  # validate/test/predict: the loop is starting now, as in Lightning's own finder
     loop.reset()
+
+
+def _base_seeds(combined: Any) -> list[int] | None:
+    """The base seed (drawn from torch's RNG, seeding the workers) of each live ``DataLoader`` iterator of the
+    fit loop's combined loader, in its order; None where there is none (no iterator yet)."""
+    iterators = getattr(getattr(combined, "_iterator", None), "iterators", None)
+    if not iterators:
+        return None
+    seeds: list[int] = []
+    for iterator in iterators:
+        seed = getattr(iterator, "_base_seed", None)
+        if not isinstance(seed, int):
+            return None
+        seeds.append(seed)
+    return seeds
+
+
+def _give_base_seeds(combined: Any, seeds: list[int] | None) -> None:
+    """Hand the replaced iterators' base seeds to the new ones (the same loaders, one for one)."""
+    iterators = getattr(getattr(combined, "_iterator", None), "iterators", None)
+    if seeds is None or not iterators or len(iterators) != len(seeds):
+        return
+    for iterator, seed in zip(iterators, seeds, strict=True):
+        if isinstance(getattr(iterator, "_base_seed", None), int):
+            iterator._base_seed = seed
 
 
 def batch_to_device(trainer: Any, pl_module: Any, batch: Any, dataloader_idx: int | None = None) -> Any:

@@ -7,7 +7,9 @@ A probe step appends to it too, so the epoch's mean would include the probes' lo
 trace would append a *fake* tensor, and the epoch-end ``torch.stack`` then fails ("Mixing fake modes").
 :class:`ModuleAttributes` saves, for every submodule, the contents of its public list, dict and set
 attributes (a shallow copy: the same elements) and, where asked, which object each public attribute
-names, and puts both back.
+names, and puts both back. The probes' snapshot and the traces ask for both: a counter a step rebinds
+(``self.steps_seen += 1``, read by a warm-up) would otherwise count the probes' steps, and a run whose
+search kept its size would end elsewhere than the same run without it.
 
 Public means not starting with ``_``: torch's and Lightning's own fields (``_parameters``, hooks,
 ``_trainer``, ``_current_fx_name``) are restored by the code that owns them, and ``hparams`` is left

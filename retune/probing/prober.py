@@ -300,7 +300,6 @@ class Prober:
     def _local_trial(self, size: int) -> tuple[str, int | None, BaseException | None]:
         """This process's trial: ``("fits" | "oom" | "error", peak, the error to re-raise)``."""
         assert self._snapshot is not None, "measure() is only valid inside session()"
-        compat.set_batch_attr(self.trainer, self.pl_module, self.batch_arg_name, size)
         generators: list[tuple[torch.Generator, torch.Tensor]] = []
         status, error, peak = "fits", None, None
         self._times = None
@@ -310,6 +309,8 @@ class Prober:
             with self._isolated():
                 if self._trials_run:
                     self._snapshot.reset()  # start from the captured state, not the previous trial's
+                # after the reset, which puts the module's public attributes back (the size may live there)
+                compat.set_batch_attr(self.trainer, self.pl_module, self.batch_arg_name, size)
                 self._trials_run += 1
                 loader = compat.request_dataloader(self.trainer, self.stage)
                 generators = [(g, g.get_state()) for g in sampler_generators(loader)]

@@ -24,7 +24,7 @@ import operator
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from retune.errors import RetuneError
+from retune.random_state import preserved_rng
 from retune.schedule.dotted import resolve_dotted
 
 SizeFn = Callable[[Any], int]
@@ -143,28 +144,6 @@ def _name(fn: Any) -> str:
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None) or type(fn).__name__
     return f"{module}.{qualname}" if module else str(qualname)
-
-
-@contextmanager
-def preserved_rng(generators: Iterable[torch.Generator] = ()) -> Iterator[None]:
-    """Put back Python's, NumPy's and torch's global RNG (and CUDA's, once initialised) and the given
-    generators after the block, so reading samples leaves the run's random streams where they were."""
-    py_state = random.getstate()
-    np_state = np.random.get_state()
-    torch_state = torch.get_rng_state()
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    cuda_states = torch.cuda.get_rng_state_all() if cuda else None
-    own = [(g, g.get_state()) for g in generators]
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        np.random.set_state(np_state)
-        torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-        for generator, state in own:
-            generator.set_state(state)
 
 
 def _subset(count: int, limit: int | None, seed: int) -> list[int]:

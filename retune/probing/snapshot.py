@@ -46,6 +46,7 @@ from torch import nn
 from retune.distributed.local_shards import is_sharded, like_sharded, local
 from retune.probing.attributes import ModuleAttributes
 from retune.probing.host_copy import contiguous_strides, host_copies
+from retune.random_state import sampler_generators
 
 
 @dataclass
@@ -202,7 +203,7 @@ class TrainingSnapshot:
             snap.optimizers.append(_OptimizerState(optimizer, state, groups))
         snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in stateful]
         snap.counters = [(obj, name, copy.deepcopy(getattr(obj, name))) for obj, name in counters]
-        snap.attributes = ModuleAttributes.capture(module)
+        snap.attributes = ModuleAttributes.capture(module, bindings=True)
         snap.rng = _rng_state()
         snap.generators = [(g, g.get_state()) for g in generators]
         # only now, when nothing above can fail any more: move the run onto the held copies
@@ -397,24 +398,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         sys.modules["numpy"].random.set_state(state["numpy"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def sampler_generators(loader: Any) -> list[torch.Generator]:
-    """Generators a dataloader draws from when iterated (its own, its sampler's, its batch sampler's).
-
-    A datamodule that keeps one generator and hands it to every dataloader it builds would otherwise
-    see the probe's draws shift the next epoch's shuffle order.
-    """
-    found: list[torch.Generator] = []
-    candidates = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
-    batch_sampler = getattr(loader, "batch_sampler", None)
-    if batch_sampler is not None:
-        candidates.append(getattr(batch_sampler, "sampler", None))
-    for obj in candidates:
-        generator = getattr(obj, "generator", None)
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
-            found.append(generator)
-    return found
 
 
 __all__ = ["TrainingSnapshot", "sampler_generators"]

@@ -105,11 +105,21 @@ class History:
         """Read a ``history.json`` document; a bare list of events (``finder.state_dict()["history"]``) works too."""
         if isinstance(data, Sequence):
             return cls(events=[RetuneEvent.from_dict(dict(e)) for e in data])
+        events = data.get("events")
+        if not isinstance(events, list):
+            # any JSON object read as a history with no events printed "0 searches" and wrote a plot beside it
+            keys = ", ".join(sorted(map(str, data))) or "none"
+            hint = (
+                " (it looks like a schedule: pass the history.json a run wrote)"
+                if {"triggers", "search"} & set(data)
+                else ""
+            )
+            raise ValueError(f"no 'events' list, so not a history written by retune (its keys: {keys}){hint}")
         version = data.get("version", FORMAT_VERSION)
         if version != FORMAT_VERSION:
             raise ValueError(f"unsupported history format version {version!r}; this retune reads {FORMAT_VERSION}")
         return cls(
-            events=[RetuneEvent.from_dict(dict(e)) for e in data.get("events", [])],
+            events=[RetuneEvent.from_dict(dict(e)) for e in events],
             steps=_pairs(data.get("steps")),
             memory=_pairs(data.get("memory")),
             memory_label=str(data.get("memory_label") or "peak memory"),

@@ -43,6 +43,7 @@ RANKS: dict[str, int] = {
     "retune.events": 0,
     "retune.messages": 0,
     "retune.oom": 0,
+    "retune.random_state": 0,
     "retune.step_parts": 0,
     "retune.distributed": 1,
     "retune.memory": 1,

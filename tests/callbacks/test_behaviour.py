@@ -156,18 +156,23 @@ def classes(ns_name: str) -> SimpleNamespace:
             return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True)
 
     class FailingModel(AttrModel):
-        """Raises ``make_exc()`` (remembered in ``self.raised``) at batch sizes >= ``fail_at``."""
+        """Raises ``make_exc()`` (remembered in ``self.raised``) at batch sizes >= ``fail_at``. Remembered in a
+        private attribute: a probe's step changes no public one the search does not put back."""
 
         def __init__(self, fail_at: int, make_exc: Callable[[], BaseException], **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.fail_at = fail_at
             self.make_exc = make_exc
-            self.raised: BaseException | None = None
+            self._raised: BaseException | None = None
+
+        @property
+        def raised(self) -> BaseException | None:
+            return self._raised
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             if batch[0].shape[0] >= self.fail_at:
-                self.raised = self.make_exc()
-                raise self.raised
+                self._raised = self.make_exc()
+                raise self._raised
             return super().training_step(batch, batch_idx)
 
     class ManualModel(AttrModel):

@@ -364,6 +364,26 @@ def test_negative_control_tune_to_a_different_size_is_detected(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("own_generator", [False, True], ids=["global-rng", "own-generator"])
+def test_a_search_that_changes_the_size_trains_what_a_run_started_at_that_size_does(
+    own_generator: bool, tmp_path: Path
+) -> None:
+    """The fit-start search moves the size (S - 9 -> S) and the loader is rebuilt: the rebuilt loader's iterator
+    draws its base seed, a draw the run started at S never makes (it drew for the loader the rebuild replaces),
+    so every later shuffle and dropout mask differed from that run's. The rebuild now gives the draw back (the
+    global RNG, the loaders' own generators) and the new iterator the replaced one's seed: the two runs are
+    bit-identical from the first step on."""
+    _, size = _searched_size()
+    case = Case("sgd", own_generator=own_generator)
+    tuned = _fit(tmp_path / "with_finder", case, size - 9, with_finder=True)
+    first = tuned.finder.history[0]
+    assert (first.batch_size_before, first.batch_size_after) == (size - 9, size)
+    plain = _fit(tmp_path / "without", case, size, with_finder=False)
+
+    diffs = differences(tuned, plain)
+    assert not diffs, "the search left a trace:\n" + "\n".join(line for lines in diffs.values() for line in lines)
+
+
+@pytest.mark.parametrize("own_generator", [False, True], ids=["global-rng", "own-generator"])
 def test_negative_control_one_unrestored_draw_is_detected(own_generator: bool, tmp_path: Path) -> None:
     """One draw from the shuffle's generator at an epoch start, not undone, changes the data order
     from that epoch on: exactly what a probe that did not restore the generator would do."""

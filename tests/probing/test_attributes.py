@@ -1,5 +1,6 @@
 """A search leaves nothing in a module's own attributes: Lightning 2.x's way to gather a step's outputs for an
-epoch-end hook (a list on the module) holds the run's steps only.
+epoch-end hook (a list on the module) holds the run's steps only, and a counter the step rebinds
+(``self.steps_seen += 1``) counts the run's steps only.
 
 Before, every probe step appended its loss there too (the epoch's mean included the probes' losses), and a
 fake-tensor trace appended a fake tensor: the epoch-end ``torch.stack`` raised "Mixing fake modes".
@@ -33,10 +34,12 @@ class _Gathers(pl.LightningModule):  # type: ignore[misc,name-defined]
         self.training_step_outputs: list[torch.Tensor] = []
         self.seen: dict[int, int] = {}  # batch_idx -> batch size, per real step
         self.epochs: list[list[float]] = []
+        self.steps_seen = 0  # a plain counter, rebound each step: a warm-up by step count reads it
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
+        self.steps_seen += 1
+        loss = min(1.0, self.steps_seen / 10) * F.cross_entropy(self.net(x), y)
         self.training_step_outputs.append(loss.detach())
         self.seen[batch_idx] = int(x.shape[0])
         self.last_loss = loss.detach()
@@ -83,6 +86,9 @@ def test_the_outputs_a_step_gathers_on_the_module_are_the_runs_alone(predict: st
     assert searched.epochs == plain.epochs and [len(e) for e in searched.epochs] == [3, 3]
     assert searched.seen == plain.seen
     assert torch.equal(searched.last_loss, plain.last_loss)
+    # a rebound attribute is put back too: the probes' steps counted 16 where the run's 6 were (a search whose
+    # size did not change then ended 0.08 away in the weights of a step-count warm-up)
+    assert searched.steps_seen == plain.steps_seen == 6
 
 
 def test_module_attributes_are_put_back_in_place() -> None:

@@ -244,7 +244,11 @@ def test_cli_report_table_only(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert not (tmp_path / report.PNG_NAME).exists()
 
 
-@pytest.mark.parametrize("content", [None, "{not json", '"a string"'], ids=["missing", "bad-json", "not-history"])
+@pytest.mark.parametrize(
+    "content",
+    [None, "{not json", '"a string"', '{"hello": "world"}', '{"triggers": [{"kind": "fit_start"}]}'],
+    ids=["missing", "bad-json", "not-history", "an-object", "a-schedule"],
+)
 def test_cli_report_bad_file(tmp_path: Path, content: str | None, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "history.json"
     if content is not None:
@@ -253,6 +257,9 @@ def test_cli_report_bad_file(tmp_path: Path, content: str | None, capsys: pytest
     out, err = capsys.readouterr()
     assert out == ""
     assert err.startswith(f"error: {path}: cannot read a retune history")
+    assert not (tmp_path / report.PNG_NAME).exists()  # nothing written beside a file that is not a history
+    if content and content.startswith('{"'):
+        assert "no 'events' list" in err and ("schedule" in err) == ("triggers" in content)
 
 
 def test_cli_report_as_a_process(tmp_path: Path) -> None:
