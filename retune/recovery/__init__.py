@@ -10,6 +10,7 @@
 * :mod:`~retune.recovery.oom_sites`: where in a step the error was raised, and whether a split helps;
 * :mod:`~retune.recovery.loss_items`: what a token-mean loss averages over, per micro-batch;
 * :mod:`~retune.recovery.running_stats`: BatchNorm statistics around a step that failed;
+* :mod:`~retune.recovery.step_rng`: torch's random generators, rewound for each attempt at a step;
 * :mod:`~retune.recovery.step_recovery`: the public names of the four first in one import (the
   module they lived in until issue 30).
 """
@@ -24,5 +25,6 @@ __all__ = [
     "running_stats",
     "split",
     "step_recovery",
+    "step_rng",
     "train_step",
 ]

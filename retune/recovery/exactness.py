@@ -16,7 +16,9 @@ weightings on the same numbers (:func:`judge`): a weighting that reproduces the 
 setting to use; none does: the loss couples the samples and no recovery can be exact.
 
 The check leaves no trace (:class:`ExactnessCheck`): under ``torch.no_grad``, the global RNGs put back, every
-buffer of the module put back, what ``self.log`` records dropped, no backward and no optimizer step. Dropout
+buffer of the module put back, its public attributes put back as after a probe (:mod:`retune.probing.attributes`:
+the losses a ``training_step`` appends to ``self.training_step_outputs`` for an epoch-end mean are taken out
+again), what ``self.log`` records dropped, no backward and no optimizer step. Dropout
 (its rate set to 0 too, which Hugging Face's attention reads) and BatchNorm layers run in eval mode while it
 runs: a random mask or a batch statistic differs between a batch and its halves by nature (BatchNorm's
 difference is the one a recovery accepts, see :mod:`retune.recovery.running_stats`), not because of the loss.
@@ -47,7 +49,8 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from retune.errors import RetuneError
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
-from retune.probing.sample_sizes import preserved_rng
+from retune.probing.attributes import attributes_kept
+from retune.random_state import preserved_rng
 from retune.recovery.loss_items import BUILTIN, ItemsFn
 from retune.recovery.micro_batches import LossReduction, loss_weights, samples_in
 from retune.recovery.split import SplitFn, split_batch
@@ -204,12 +207,14 @@ def candidates(micro: Sequence[Any]) -> dict[str, Weighting]:
 @contextmanager
 def no_trace(module: nn.Module) -> Iterator[None]:
     """Run forwards that leave nothing behind: no graph, RNGs and buffers put back, dropout and BatchNorm
-    in eval mode (dropout's rate 0 as well, for attention that reads it) for the duration."""
+    in eval mode (dropout's rate 0 as well, for attention that reads it) for the duration, and the module's
+    public attributes as they were (what a ``training_step`` appends to a list on the module, or counts in
+    ``self.steps += 1``, is the run's steps only, as after a probe)."""
     layers = [m for m in module.modules() if isinstance(m, (_DropoutNd, _BatchNorm))]
     modes = [(m, m.training, m.p if isinstance(m, _DropoutNd) else None) for m in layers]
     buffers = [b for b in module.buffers() if isinstance(b, torch.Tensor)]
     saved = [b.detach().clone() for b in buffers]
-    with preserved_rng(), torch.no_grad():
+    with attributes_kept(module), preserved_rng(), torch.no_grad():
         try:
             for m, _, p in modes:
                 m.training = False

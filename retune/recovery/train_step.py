@@ -14,7 +14,9 @@ What a recovered step guarantees:
   optimizer step, so the update equals the whole batch's up to float rounding. The step's outputs
   and logged values are the whole batch's too (``StepParts.join`` and ``StepParts.logs``).
 * **no trace of the failed attempt.** An OOM in forward has produced no gradient; what it logged
-  and the BatchNorm statistics it updated are taken back. An OOM in backward leaves some
+  and the BatchNorm statistics it updated are taken back. Every attempt at the batch starts from the
+  random state the whole batch's step started from (:mod:`retune.recovery.step_rng`: the failed forward's
+  Dropout draws are not skipped by the micro-batches nor by the rest of the run). An OOM in backward leaves some
   parameters holding this batch's complete gradient (autograd accumulates a parameter's gradient
   once, when all of it is known) and the rest untouched:
   :class:`~retune.recovery.gradients.FinishedGradients` finds which after the failure, those keep
@@ -55,6 +57,7 @@ from retune.recovery.micro_batches import (
 from retune.recovery.oom_sites import add_note, oom_site, split_helps, why_not_recovered
 from retune.recovery.running_stats import RunningStats, needs_two_samples
 from retune.recovery.split import SplitError, SplitFn, batch_length, pieces_for, split_batch
+from retune.recovery.step_rng import StepRng
 from retune.step_parts import StepParts
 
 
@@ -99,6 +102,7 @@ class TrainStepRecovery(KeptSplit):
         self.pieces = 1
         self.finished = FinishedGradients(params())
         self.stats = _running_stats(module)
+        self.rng = StepRng()
         self._first_batch = True
 
     def close(self) -> None:
@@ -138,6 +142,7 @@ class TrainStepRecovery(KeptSplit):
             if self.first_check is not None and not resumed:
                 self.first_check(step)
             self.check_batch(step.batch)
+        self.rng.save()  # every attempt at this batch (micro-batch rounds included) starts from here
         if self.max_size is not None or self.pieces > 1:
             kept = self._kept_split(step.batch)
             if kept is not None:
@@ -289,6 +294,7 @@ class TrainStepRecovery(KeptSplit):
                             p.grad = None  # the window started with this batch: nothing came before it
                     raise RetuneError(self._cannot_split_further(step, total, micro, failed_largest, min_size))
                 restore_logs = step.save_logs() if not forward_done else None
+                self.rng.rewind()  # the failed attempt's draws again: the masks the whole batch drew (or would)
                 try:
                     outcome = self._train_micro(step, micro, keep_logs=not forward_done, frozen=bool(done))
                 except BaseException:

@@ -522,6 +522,44 @@ def test_the_check_leaves_no_trace() -> None:
     assert calls == {k: v for k, v in without["calls"].items() if k != "training_step"}
 
 
+class EpochMean(Classifier):
+    """Lightning 2.x's documented epoch-end pattern: ``self.training_step_outputs.append`` in training_step,
+    their mean in ``on_train_epoch_end``; and a step counter kept as ``self.steps += 1``."""
+
+    def __init__(self) -> None:
+        super().__init__("mean")
+        self.training_step_outputs: list[torch.Tensor] = []
+        self.steps = 0
+        self.epoch_means: list[tuple[int, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.training_step_outputs.append(loss.detach())
+        self.steps += 1
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        outputs = self.training_step_outputs
+        self.epoch_means.append((len(outputs), torch.stack(outputs).mean().item()))
+        outputs.clear()
+
+
+def test_the_check_leaves_no_losses_in_the_modules_lists() -> None:
+    """The check's three forwards append their losses to ``self.training_step_outputs`` too; they are taken
+    out again (the module's public attributes are put back, as after a probe), so the epoch mean and a step
+    counter kept on the module are the run's own: 6 steps, the same mean, as without the check (it was 9)."""
+    runs = {}
+    for check in (True, False):
+        seed(0)
+        model = EpochMean()
+        _fit(model, {"kind": "oom", "check_exactness": check})
+        runs[check] = (model.epoch_means, model.steps, model.calls["training_step"])
+    (means, steps, calls), (means_without, steps_without, calls_without) = runs[True], runs[False]
+    assert means == means_without and means[0][0] == 6
+    assert steps == steps_without == 6
+    assert calls == calls_without + 3  # a Counter (a dict subclass) is not put back: it sees the check's steps
+
+
 # -- the pure judgement ------------------------------------------------------------------------------------------
 
 
