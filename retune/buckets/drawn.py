@@ -17,10 +17,11 @@ wrapper), rank zero's draws are broadcast, every rank groups them identically, a
 of ``size x world_size`` draws of one bucket is dealt out one share per rank (:func:`drawn_batches`
 with ``world_size``): across the ranks the epoch trains exactly rank zero's draws, every rank at the
 same bucket at every step. A sampler whose draws cannot be known before the epoch (no ``__len__``),
-one that shards itself across ranks (a ``DistributedSampler`` subclass: each rank draws only its own
-share), or any choosing sampler when Lightning does not shard it (``use_distributed_sampler=False``:
-each rank trains its own draws) keeps the loader as the user built it (``batching: fixed``) with one
-warning that names it (:func:`why_draws_unknown`).
+one that shards itself across ranks other than as the run's own sharding (a ``DistributedSampler``
+subclass, or other replicas than the run's: each rank draws only its own share), or any choosing
+sampler when Lightning does not shard it (``use_distributed_sampler=False``: each rank trains its own
+draws) keeps the loader as the user built it (``batching: fixed``) with one warning that names it
+(:func:`why_draws_unknown`). In one process a sharding sampler's draws are simply the epoch's.
 
 Example:
     >>> from retune.buckets.plan import Buckets
@@ -103,11 +104,14 @@ def drawn_steps(
     ``size x world_size``, one step each; steps run in the order of their first sample's draw, so the
     sampler's randomness (or a curriculum's order) decides the order of the epoch, not a second shuffle.
     Each rank takes its contiguous share of a step's group (:func:`deal`: sizes differ by one at most, never
-    above the bucket's size), so across the ranks every draw trains once and every rank's step comes from the same
-    bucket. A bucket's last, partial group trains smaller, or not at all with ``drop_last`` (as buckets
-    treat every loader). Under several processes a last group with fewer draws than ranks cannot give
-    every rank a sample: it takes draws from the bucket's previous group (a size of 2 or more), else it
-    moves to the next bucket of longer samples (whose size fits them: it was searched for longer ones);
+    above the bucket's size), so across the ranks every draw trains once and every rank's step comes from
+    the same bucket. A bucket's last, partial group trains smaller. With ``drop_last`` it moves up instead, to
+    the next bucket of longer samples (whose size fits them: it was searched for longer ones), and joins its
+    draws; only the longest samples' bucket drops its last partial group, so an epoch drops fewer draws than
+    that bucket's ``size x world_size`` and every step holds ``size`` draws per rank (the rule of every
+    bucketed loader: :func:`~retune.buckets.plan.epoch_batches`). Without ``drop_last``, under several
+    processes a last group with fewer draws than ranks cannot give every rank a sample: it takes draws from
+    the bucket's previous group (a size of 2 or more), else it moves to the next bucket of longer samples;
     in the longest samples' bucket it takes draws from a step of shorter samples that can spare them, and
     only when no step can (every step holds one draw per rank) is it padded with that bucket's own draws,
     as ``DistributedSampler`` pads. ``where`` is :func:`bucket_of_index` of ``buckets`` (computed when not given).
@@ -117,6 +121,8 @@ def drawn_steps(
     [(1, (2, 0, 2))]
     >>> [(s.bucket, s.group) for s in drawn_steps(buckets, [2, 1], [0, 1, 1, 0, 2], world_size=2)]  # 0 fills up
     [(0, (0, 1, 1)), (1, (0, 2))]
+    >>> [(s.bucket, s.group) for s in drawn_steps(buckets, [2, 2], [0, 2, 2, 1, 2, 0], drop_last=True)]  # 0 moves up
+    [(0, (0, 1)), (1, (2, 2)), (1, (2, 0))]
     """
     if len(batch_sizes) != buckets.count:
         raise ValueError(f"{buckets.count} buckets but {len(batch_sizes)} batch sizes")
@@ -130,7 +136,7 @@ def drawn_steps(
             raise ValueError(f"index {index!r} (draw {position}) is not a sample of the buckets")
         drawn[bucket].append((position, index))
     steps: list[tuple[int, int, list[tuple[int, int]]]] = []
-    carried: list[tuple[int, int]] = []  # draws too few for the ranks, moved up from a bucket of shorter samples
+    carried: list[tuple[int, int]] = []  # shorter samples' partial group moved up (drop_last, or too few for the ranks)
     longest = max(range(buckets.count), key=lambda b: (buckets.largest[b], b)) if buckets.count else -1
     for bucket in sorted(range(buckets.count), key=lambda b: (buckets.largest[b], b)):
         size = batch_sizes[bucket]
@@ -140,8 +146,9 @@ def drawn_steps(
         carried = []
         step = size * world_size
         groups = [picks[start : start + step] for start in range(0, len(picks), step)]
-        if drop_last:
-            groups = [g for g in groups if len(g) == step]
+        if drop_last and groups and len(groups[-1]) < step:  # a partial group: up a bucket, dropped from the last
+            partial = groups.pop()
+            carried = partial if bucket != longest else []
         elif groups and len(groups[-1]) < world_size:  # not a sample for every rank (several processes only)
             last, missing = groups[-1], world_size - len(groups[-1])
             if len(groups) > 1 and size > 1:  # the previous group keeps size - 1 or more per rank

@@ -16,7 +16,8 @@ exact dynamic programme over the distinct sizes finds them (sizes are first merg
 Under DDP every rank builds the same global plan from the same seed and takes its share, so every
 rank runs the same number of batches, the ranks' batches at a given step come from the same bucket,
 and every sample is trained once per epoch across ranks (the last, partial group of a bucket is
-padded with the bucket's own samples, as ``DistributedSampler`` pads, or dropped with ``drop_last``).
+padded with the bucket's own samples, as ``DistributedSampler`` pads; with ``drop_last`` it moves up to
+the bucket of longer samples, and only the longest samples' bucket drops its partial group).
 
 Example:
     >>> sizes = [16] * 90 + [512] * 10
@@ -267,13 +268,30 @@ class PlannedBatch:
 
 
 def count_batches(buckets: Buckets, batch_sizes: Sequence[int], drop_last: bool = False, world_size: int = 1) -> int:
-    """Batches each rank runs per epoch (the same on every rank)."""
-    total = 0
-    for members, size in zip(buckets.members, batch_sizes, strict=True):
-        group = max(1, size) * world_size
-        full, rest = divmod(len(members), group)
-        total += full + (1 if rest and not drop_last else 0)
-    return total
+    """Batches each rank runs per epoch (the same on every rank): :func:`epoch_batches`'s length, without the plan."""
+    return sum(
+        full + (1 if rest and not drop_last else 0)
+        for full, rest in _groups(buckets, batch_sizes, drop_last, world_size)
+    )
+
+
+def _groups(buckets: Buckets, batch_sizes: Sequence[int], drop_last: bool, world_size: int) -> list[tuple[int, int]]:
+    """Per bucket (shortest samples first), its full groups of ``size x world_size`` samples and the samples of
+    its partial group, counting with ``drop_last`` the partial groups moved up from buckets of shorter samples
+    (:func:`epoch_batches`); the last bucket's partial group is what ``drop_last`` drops."""
+    counts: list[tuple[int, int]] = []
+    carried = 0
+    for bucket in _shortest_first(buckets):
+        full, rest = divmod(len(buckets.members[bucket]) + carried, max(1, batch_sizes[bucket]) * world_size)
+        counts.append((full, rest))
+        carried = rest if drop_last else 0
+    return counts
+
+
+def _shortest_first(buckets: Buckets) -> list[int]:
+    """The buckets in the order their partial groups move up: by their longest sample (bucket order, when built
+    by :func:`assign`)."""
+    return sorted(range(buckets.count), key=lambda b: (buckets.largest[b], b))
 
 
 def epoch_batches(
@@ -292,8 +310,16 @@ def epoch_batches(
 
     Without ``shuffle`` samples keep dataset order within a bucket and batches run in order of their
     first sample. A bucket's last group (``size x world_size`` samples at most) trains smaller when it
-    is partial, or not at all with ``drop_last``; under DDP it is padded with the bucket's first samples
-    to a multiple of ``world_size`` so every rank gets a batch.
+    is partial; under DDP it is padded with the bucket's first samples to a multiple of ``world_size`` so
+    every rank gets a batch. With ``drop_last`` a partial group moves up instead, into the next bucket of
+    longer samples (a size searched for longer samples fits shorter ones, padded to the batch's longest),
+    where it trains in the first group; only the longest samples' bucket drops its partial group, so an
+    epoch drops fewer samples than that bucket's ``size x world_size`` (where dropping every bucket's
+    partial group would drop up to the sum of the sizes) and every batch holds its bucket's size.
+
+    >>> buckets = Buckets((10, 50), ((0, 1, 2), (3, 4)), (10, 50))
+    >>> [(b.bucket, b.indices) for b in epoch_batches(buckets, [2, 2], seed=0, epoch=0, shuffle=False, drop_last=True)]
+    [(0, (0, 1)), (1, (2, 3))]
     """
     if len(batch_sizes) != buckets.count:
         raise ValueError(f"{buckets.count} buckets but {len(batch_sizes)} batch sizes")
@@ -301,19 +327,26 @@ def epoch_batches(
         raise ValueError(f"rank {rank} of world size {world_size} is not valid")
     rng = random.Random(f"retune-buckets:{seed}:{epoch}")
     groups: list[tuple[int, list[int]]] = []
-    for bucket, (members, size) in enumerate(zip(buckets.members, batch_sizes, strict=True)):
+    order = _shortest_first(buckets)
+    carried: list[int] = []  # with drop_last: the partial group of the bucket of shorter samples before
+    for bucket in order:
+        size = batch_sizes[bucket]
         if size < 1:
             raise ValueError(f"bucket {bucket} has batch size {size}; sizes must be >= 1")
-        indices = list(members)
+        indices = list(buckets.members[bucket])
         if shuffle:
             rng.shuffle(indices)
+            pool = carried + indices  # the samples moved up train in this bucket's first group
         else:
             indices.sort()
+            pool = sorted(carried + indices)
+        carried = []
         step = size * world_size
-        for start in range(0, len(indices), step):
-            group = indices[start : start + step]
+        for start in range(0, len(pool), step):
+            group = pool[start : start + step]
             if len(group) < step:
                 if drop_last:
+                    carried = group if bucket != order[-1] else []
                     continue
                 group = _pad(group, indices, world_size)
             groups.append((bucket, group))
@@ -346,10 +379,9 @@ def mean_batch(buckets: Buckets, batch_sizes: Sequence[int], drop_last: bool = F
     if steps == 0:
         return 0.0
     trained = 0
-    for members, size in zip(buckets.members, batch_sizes, strict=True):
-        group = size * world_size
-        full, rest = divmod(len(members), group)
-        trained += full * size + (-(-rest // world_size) if rest and not drop_last else 0)
+    counts = _groups(buckets, batch_sizes, drop_last, world_size)
+    for bucket, (full, rest) in zip(_shortest_first(buckets), counts, strict=True):
+        trained += full * batch_sizes[bucket] + (-(-rest // world_size) if rest and not drop_last else 0)
     return trained / steps
 
 

@@ -53,29 +53,52 @@ from retune.search.predict_run import steady_probes
 from retune.search.throughput import ThroughputPlan, choose_fastest, selection_budget, selection_steps
 
 
-def sampler_that_chooses(loader: Any) -> str | None:
+def sampler_that_chooses(loader: Any, world_size: int = 1, rank: int = 0) -> str | None:
     """The class name of ``loader``'s sampler when it decides *which* samples train (and how often), else None.
 
-    Buckets regroup an epoch's samples by size; they keep the data only for a sampler that draws every
-    sample exactly once per epoch, in an order that does not matter: ``SequentialSampler``,
-    ``RandomSampler`` without replacement over the whole dataset, ``DistributedSampler`` (each rank its
-    share) and retune's own bucket order. A ``WeightedRandomSampler``, a ``RandomSampler`` with
-    replacement or another ``num_samples``, or a custom sampler (a subset, a curriculum) decides what
-    trains: replacing its draws would silently train other data, so buckets group its own draws each
-    epoch (:class:`~retune.buckets.drawn.DrawnBucketBatchSampler`), or leave the loader as the user built
-    it when they cannot be known before the epoch.
+    Buckets regroup an epoch's samples by size; they replace the sampler's draws with their own plan only
+    for a sampler that draws every sample of the loader's dataset exactly once per epoch across the run's
+    ``world_size`` processes, in an order that does not matter: a ``SequentialSampler`` or a
+    ``RandomSampler`` without replacement over the whole dataset, and a ``DistributedSampler`` that is the
+    run's own sharding (``num_replicas`` the run's processes, ``rank`` this process's, over a dataset as
+    long as the loader's: what Lightning injects under DDP, or what a user builds for it). The same
+    classes over part of the dataset — a ``SequentialSampler`` over the first 100 positions, a
+    ``DistributedSampler`` that shards a one-process run (an array job's share of the data) — choose, as
+    do a ``WeightedRandomSampler``, a ``RandomSampler`` with replacement or another ``num_samples``, and a
+    custom sampler (a subset, a curriculum): replacing their draws would silently train other data, so
+    buckets group their own draws each epoch (:class:`~retune.buckets.drawn.DrawnBucketBatchSampler`), or
+    leave the loader as the user built it when they cannot be known before the epoch or shared by the ranks.
+
+    >>> from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
+    >>> data = list(range(8))
+    >>> sampler_that_chooses(DataLoader(data, sampler=SequentialSampler(range(4))))
+    'SequentialSampler'
+    >>> shard = DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=1))
+    >>> sampler_that_chooses(shard), sampler_that_chooses(shard, world_size=2, rank=1)  # one process; its own run
+    ('DistributedSampler', None)
     """
     batch_sampler = getattr(loader, "batch_sampler", None)
     sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
     if sampler is None or isinstance(batch_sampler, BucketBatchSampler):
         return None
-    if type(sampler) in (SequentialSampler, DistributedSampler):  # subclasses (Lightning's wrapper of a
-        return None  # custom sampler under DDP, a user's own) may choose: they fall through to the refusal
+    length = _length(getattr(loader, "dataset", None))
+    # exact classes: subclasses (Lightning's wrapper of a custom sampler under DDP, a user's own) may choose
+    if type(sampler) is SequentialSampler:
+        return None if length is not None and _length(sampler) == length else type(sampler).__name__
+    if type(sampler) is DistributedSampler:
+        own = sampler.num_replicas == world_size and sampler.rank == rank and _length(sampler.dataset) == length
+        return None if own and length is not None else type(sampler).__name__
     if type(sampler) is RandomSampler:
-        dataset = getattr(loader, "dataset", None)
-        whole = dataset is not None and hasattr(dataset, "__len__") and sampler.num_samples == len(dataset)
+        whole = length is not None and sampler.num_samples == length and _length(sampler.data_source) == length
         return None if not sampler.replacement and whole else "RandomSampler with replacement or num_samples"
     return type(sampler).__name__
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -216,6 +239,9 @@ class TrainBuckets:
         """The loader ``train_dataloader()`` last returned to Lightning (what :meth:`data_change` checks)."""
         self.traced: TracedBuckets | None = None
         """The last predicted search's traces in this fit: a later one traces two lengths, not three."""
+        self.epoch_draws: int | None = None
+        """Draws per epoch of the user's sampler when it chooses what trains (None: every sample once): no
+        step can hold more, so no bucket's size is searched above it (:func:`_uppers`)."""
 
     @property
     def failures(self) -> dict[int, tuple[int, int]]:
@@ -300,7 +326,7 @@ class TrainBuckets:
         if isinstance(loader, (Mapping, list, tuple)):
             return "train_dataloader() returns several loaders"
         reason = why_not_reorderable(loader)
-        if reason is None and sampler_that_chooses(loader) is not None:
+        if reason is None and sampler_that_chooses(loader, self._world_size, self._rank) is not None:
             # the sampler's own draws are bucketed each epoch (DrawnBucketBatchSampler), where they can be known
             reason = why_draws_unknown(
                 loader.batch_sampler.sampler, self._world_size, sharded_by_lightning=self._shared_out
@@ -320,7 +346,11 @@ class TrainBuckets:
             return None
         if reason is None:
             dataset = loader.dataset
-            candidates = candidate_indices(loader.batch_sampler.sampler, len(dataset))
+            sampler = loader.batch_sampler.sampler
+            candidates = candidate_indices(sampler, len(dataset))
+            # why_not() let a choosing sampler through only with a __len__: its draws per epoch
+            chooses = sampler_that_chooses(loader, self._world_size, self._rank) is not None
+            self.epoch_draws = len(sampler) if chooses else None
             if not candidates:
                 reason = "its sampler draws no samples"
             else:
@@ -366,7 +396,7 @@ class TrainBuckets:
             return loader
         trainer = self._trainer
         epoch = int(trainer.current_epoch) if trainer is not None else 0
-        if sampler_that_chooses(loader) is not None:
+        if sampler_that_chooses(loader, self._world_size, self._rank) is not None:
             user_sampler = getattr(loader.batch_sampler, "sampler", None)  # a plain BatchSampler's (why_not)
             drawn = DrawnBucketBatchSampler(  # it draws when Lightning first asks its length: for the epoch it sets
                 buckets,
@@ -427,7 +457,7 @@ class TrainBuckets:
                 loader = compat.request_dataloader(trainer, "train")
             self.state.seed = int(compat.broadcast_object(trainer, loader_seed(loader)))
         world = max(1, int(trainer.world_size))
-        uppers = _uppers(buckets, max_val, world)
+        uppers = _uppers(buckets, max_val, world, self.epoch_draws)
         same_buckets = list(buckets.bounds) == self.state.bounds and len(self.state.sizes) == buckets.count
         # a warm search starts where memory was last time: the largest sizes, not a throughput cap below them
         previous: list[int | None] | None = list(self.state.fit_sizes) if same_buckets and not cold else None
@@ -473,7 +503,7 @@ class TrainBuckets:
         if traced is not None and limit is not None:
             better = None if failures else self._fewer_steps(buckets, traced, limit, max_val, margin_of, world)
             if better is not None:  # the same samples at new bounds: every bucket is searched (verified) anew
-                regrouped_from, buckets, uppers = buckets, better, _uppers(better, max_val, world)
+                regrouped_from, buckets, uppers = buckets, better, _uppers(better, max_val, world, self.epoch_draws)
             starts = predicted_start(traced, buckets, uppers, limit, previous, known_fail)
             if starts is not None:
                 previous, prior, direction = starts, traced.memory(buckets), "unknown"
@@ -547,10 +577,8 @@ class TrainBuckets:
             return margin_of(found, found < max_val, (limit - traced.fixed) / slope if slope > 0 else None)
 
         def steps(grouped: Buckets) -> int:
-            sizes = [
-                min(batch_for(top), max(1, -(-len(m) // world)))
-                for top, m in zip(grouped.largest, grouped.members, strict=True)
-            ]
+            uppers = _uppers(grouped, max_val, world, self.epoch_draws)
+            sizes = [min(batch_for(top), upper) for top, upper in zip(grouped.largest, uppers, strict=True)]
             return count_batches(grouped, sizes, world_size=world)
 
         bounds = choose_bounds_for_steps([s for sizes in buckets.sizes for s in sizes], self.count, batch_for, world)
@@ -723,9 +751,22 @@ class DataChange:
         return f"the buckets' longest samples {before} -> {after}"
 
 
-def _uppers(buckets: Buckets, max_val: int, world: int) -> list[int]:
-    """Each bucket's largest possible batch on one rank: its share of the samples, at most ``max_val``."""
-    return [max(1, min(max_val, -(-len(members) // world))) for members in buckets.members]
+def _uppers(buckets: Buckets, max_val: int, world: int, draws: int | None = None) -> list[int]:
+    """Each bucket's largest possible batch on one rank: its share of the samples, at most ``max_val``.
+
+    With a sampler that chooses what trains, at most its ``draws`` per epoch, too: a bucket holds at most
+    that many of an epoch's draws (rank zero's, dealt out across the ranks), so a larger size could never
+    fill a step; searching it would only cost probes, and a size no epoch fills would make ``drop_last`` drop
+    the longest samples' bucket whole. (Its members still cap it: a probe's worst batch is distinct samples.)
+
+    >>> buckets = Buckets((10, 50), (tuple(range(90)), (90, 91)), (10, 50))
+    >>> _uppers(buckets, 64, 1), _uppers(buckets, 64, 2), _uppers(buckets, 64, 1, draws=20)
+    ([64, 2], [45, 1], [20, 2])
+    """
+    return [
+        max(1, min(max_val, -(-(len(members) if draws is None else min(len(members), draws)) // world)))
+        for members in buckets.members
+    ]
 
 
 def predicted_start(

@@ -393,8 +393,22 @@ def test_drawn_batches_keep_every_draw_in_its_bucket_at_its_size() -> None:
         assert len(batch.indices) <= [3, 2, 1][batch.bucket]
     # each bucket's draws in draw order, batches in the order of their first draw
     assert [b.indices for b in plan] == [(5,), (0, 0, 1), (3, 4), (5,), (5,), (0, 2), (3,)]
-    dropped = drawn_batches(buckets, [3, 2, 1], draws, drop_last=True)
-    assert [b.indices for b in dropped] == [(5,), (0, 0, 1), (3, 4), (5,), (5,)]
+    # drop_last: a bucket's partial batch moves up to the next bucket of longer samples (its size fits them), so
+    # only the longest samples' bucket drops one (before: every bucket's, here (0, 2) and (3,))
+    kept = drawn_batches(buckets, [3, 2, 1], draws, drop_last=True)
+    assert [(b.bucket, b.indices) for b in kept] == [
+        (2, (5,)),
+        (0, (0, 0, 1)),
+        (1, (3, 4)),
+        (2, (5,)),
+        (2, (5,)),
+        (1, (0, 2)),
+        (2, (3,)),
+    ]
+    moved = drawn_batches(buckets, [3, 2, 2], draws, drop_last=True)
+    assert [b.indices for b in moved] == [(5, 5), (0, 0, 1), (3, 4), (5, 3), (0, 2)]
+    short = drawn_batches(buckets, [3, 2, 2], draws[:-1], drop_last=True)  # the longest bucket's third 5 drops
+    assert [(b.bucket, b.indices) for b in short] == [(2, (5, 5)), (0, (0, 0, 1)), (1, (3, 4)), (1, (0, 2))]
     with pytest.raises(ValueError, match="index 9"):
         drawn_batches(buckets, [3, 2, 1], [0, 9])
 
