@@ -247,6 +247,9 @@ class TrainingSnapshot:
         self._put_back(final=True)
 
     def _put_back(self, final: bool) -> None:
+        # first (it never raises): which object each public attribute names, then the restorers below write the
+        # values of what they own into those objects (a torchmetrics state, a counter), not the other way round
+        self.attributes.restore()
         with torch.no_grad():
             for entry in self.params:
                 # always re-pointed, held or not: a probe may have pointed ``.data`` elsewhere
@@ -282,7 +285,6 @@ class TrainingSnapshot:
         _set_rng_state(self.rng)
         for generator, gen_state in self.generators:
             generator.set_state(gen_state)
-        self.attributes.restore()  # last, and it never raises
 
 
 def _with_inner_optimizers(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
