@@ -46,6 +46,7 @@ from retune.compat.distributed import (
     ddp_wrapper,
     is_ddp,
     is_distributed,
+    sharded_across,
     shares_out_samplers,
     unshare_spawned_weights,
 )
@@ -125,6 +126,7 @@ __all__ = [
     "set_accumulation",
     "set_batch_attr",
     "shares_out_samplers",
+    "sharded_across",
     "step_marks",
     "strategy_kind",
     "train_loaders",

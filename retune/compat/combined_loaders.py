@@ -9,7 +9,8 @@ whose exhausted loaders give None). A 2.x ``CombinedLoader`` yields ``(batch, ba
 dataloader_idx)``; the training step receives only the batch. (``sequential`` is refused by
 Lightning's fit loop itself; evaluation loops run it, see ``retune.compat.data.eval_dataloaders``.)
 
-The dataset-length cap on the search needs the loaders inside such a structure:
+The search's cap (the most samples one rank's epoch can put in a batch, :func:`dataset_length`) needs the
+loaders inside such a structure:
 :func:`leaf_loaders` finds them in any nesting of dicts, lists, tuples and ``CombinedLoader`` s.
 """
 
@@ -72,7 +73,10 @@ def train_batches(trainer: Any, loader: Any) -> Generator[Any, None, None]:
             empty = False
             yield batch
         if empty:
-            raise RetuneError("the train dataloader yielded no batches, so no batch size can be probed")
+            raise RetuneError(
+                "the train dataloader yielded no batches, so no batch size can be probed (with drop_last=True, "
+                "a batch size above the samples its sampler draws per epoch gives none)"
+            )
 
 
 def leaf_loaders(loader: Any) -> list[Any]:
@@ -101,24 +105,67 @@ def _all_iterable(items: Sequence[Any]) -> bool:
 
 
 def dataset_length(loader: Any, world_size: int) -> int | None:
-    """Samples one rank sees per epoch from the largest dataset among the loaders (None when any of them
-    has no length, an iterable dataset): no batch of any of them can hold more."""
+    """The most samples one batch of any of the loaders can hold: what one rank's epoch draws from the largest
+    of them (None when any of them has no length, an iterable dataset).
+
+    An epoch draws what the loader's sampler yields, not its dataset: a ``SubsetRandomSampler`` over 48 of 240
+    samples, a ``WeightedRandomSampler(num_samples=100)``, a ``RandomSampler(num_samples=...)`` put that many
+    samples in an epoch, and no batch holds more. Capped at ``len(dataset)`` instead, a search probed sizes whose
+    batches held the 48 samples (and reported 240 verified), and with ``drop_last`` applied a size that trains no
+    step at all. ``world_size`` is the number of ranks Lightning shards a sampler across (1 where it does not,
+    ``use_distributed_sampler=False``): each rank then draws its ``ceil(n / world_size)``; a ``DistributedSampler``
+    the loader already has is left alone by Lightning, and its length is one rank's share already.
+    """
     lengths = []
     for leaf in leaf_loaders(loader):
-        dataset = getattr(leaf, "dataset", None)
-        if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
+        samples = epoch_samples(leaf, world_size)
+        if samples is None:
             return None
-        try:
-            lengths.append(-(-len(dataset) // max(world_size, 1)))
-        except TypeError:
-            return None
+        lengths.append(samples)
     return max(lengths) if lengths else None
+
+
+def epoch_samples(loader: Any, world_size: int) -> int | None:
+    """Samples one rank draws from ``loader`` per epoch: its sampler's length where it has one, else its dataset's,
+    divided among the ``world_size`` ranks Lightning shards it across (see :func:`dataset_length`); None for an
+    iterable dataset or a loader without a dataset."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
+        return None
+    sampler = _epoch_sampler(loader)
+    if isinstance(sampler, torch.utils.data.DistributedSampler):
+        sharded = _length(sampler)  # the user's own shard: Lightning keeps it, and it is per rank already
+        if sharded is not None:
+            return sharded
+    samples = _length(sampler) if sampler is not None else None
+    if samples is None:
+        samples = _length(dataset)
+    if samples is None:
+        return None
+    return -(-samples // max(world_size, 1))
+
+
+def _epoch_sampler(loader: Any) -> Any:
+    """The sampler that decides an epoch's samples: a ``BatchSampler``'s (or another batch sampler's ``sampler``),
+    else the loader's own. With a custom batch sampler that has none, torch gives the loader a placeholder
+    ``SequentialSampler`` over the whole dataset, which is what it then reports."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    inner = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
+    return inner if inner is not None else getattr(loader, "sampler", None)
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except (TypeError, NotImplementedError):
+        return None
 
 
 __all__ = [
     "Batches",
     "as_train_loader",
     "dataset_length",
+    "epoch_samples",
     "is_combined_loader",
     "leaf_loaders",
     "train_batches",

@@ -72,6 +72,15 @@ def shares_out_samplers(trainer: Any) -> bool:
     return bool(flag)
 
 
+def sharded_across(trainer: Any) -> int:
+    """The ranks Lightning shards a train sampler across: the world size where it injects or wraps a
+    ``DistributedSampler`` (:func:`shares_out_samplers`), else 1 (each rank draws the whole epoch)."""
+    world_size = int(getattr(trainer, "world_size", 1) or 1)
+    if world_size > 1 and hasattr(trainer, "_accelerator_connector") and not shares_out_samplers(trainer):
+        return 1
+    return world_size
+
+
 def ddp_wrapper(trainer: Any) -> Any | None:
     """The ``DistributedDataParallel`` module the strategy trains through, or None."""
     model = getattr(trainer.strategy, "model", None)
@@ -85,6 +94,7 @@ __all__ = [
     "ddp_wrapper",
     "is_ddp",
     "is_distributed",
+    "sharded_across",
     "shares_out_samplers",
     "unshare_spawned_weights",
 ]

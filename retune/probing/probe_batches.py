@@ -23,6 +23,7 @@ on the same dataset object makes the largest samples longer than the size in for
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -100,14 +101,17 @@ def budget_not_ensured(dataset: Any) -> str:
     """What a run with an ``IterableDataset`` loses, and the ways out (for the warnings that name it).
 
     Probes can only read a stream's first batches, so a later batch of longer samples is never measured:
-    neither a ``memory.budget`` nor bucketed batch sizes can be ensured for the steps that follow.
+    neither a ``memory.budget`` nor bucketed batch sizes can be ensured for the steps that follow. A stream
+    that keeps its position between iterations loses what the probes read: retune cannot put a stream back.
     """
     return (
         f"the dataset ({type(dataset).__name__}) is an IterableDataset, so probes run on its first batches only "
         "and steps may exceed the memory budget (a later batch of longer samples is never measured). To keep every "
         "step within the budget: use a map-style dataset (__getitem__ and __len__) with `search.probe_samples: "
         "largest`; or probe with `probe_samples: largest` on a map-style sample of the stream that holds its "
-        "longest samples; or add the `oom` trigger so a step that runs out of memory is re-run in micro-batches"
+        "longest samples; or add the `oom` trigger so a step that runs out of memory is re-run in micro-batches. "
+        "Each probe iterates the stream anew: one that keeps its position between iterations (a cursor, a queue) "
+        "starts training after the samples the probes read"
     )
 
 
@@ -120,6 +124,34 @@ def candidate_indices(sampler: Any, dataset_len: int) -> Sequence[int]:
     if isinstance(sampler, WeightedRandomSampler) and len(sampler.weights) == dataset_len:
         return [i for i, w in enumerate(sampler.weights.tolist()) if w > 0]
     return range(dataset_len)
+
+
+def probe_batch(chosen: list[int], size: int, drawn: int | None) -> list[int]:
+    """The indices of one ``largest`` probe batch at ``size``: the ``chosen`` largest candidates (at most ``size``).
+
+    Where there are fewer candidates than ``size``, the batch is one the epoch can produce: a sampler that draws
+    more samples per epoch than it has candidates (``drawn``: with replacement, or a ``num_samples`` above them)
+    repeats samples, so the batch cycles through the largest ones up to ``min(size, drawn)``; otherwise no epoch
+    batch holds more than the candidates, and the batch is those alone (the search is told it held fewer than
+    ``size``). Repeating candidates there probed a batch the epoch never produces (142 samples built from 48).
+
+    >>> probe_batch([5, 3, 9], 2, None), probe_batch([5, 3, 9], 5, 3), probe_batch([5, 3, 9], 5, 100)
+    ([5, 3], [5, 3, 9], [5, 3, 9, 5, 3])
+    """
+    if len(chosen) >= size or not chosen:
+        return chosen[:size]
+    if drawn is None or drawn <= len(chosen):
+        return chosen
+    target = min(size, drawn)
+    return [chosen[i % len(chosen)] for i in range(target)]
+
+
+def _drawn_per_epoch(sampler: Any) -> int | None:
+    """The samples ``sampler`` draws per epoch (None: it cannot say)."""
+    try:
+        return len(sampler)
+    except (TypeError, NotImplementedError):
+        return None
 
 
 def batch_size_of(loader: DataLoader[Any]) -> int:
@@ -144,6 +176,129 @@ def with_index_order(loader: DataLoader[Any], indices: list[int], batch_size: in
     state["_iterator"] = None
     state["persistent_workers"] = False
     return new
+
+
+class _CountedBatches:
+    """A loader's batch sampler that writes down how many samples each batch it yields holds.
+
+    Counting the indices a batch sampler yields, rather than the batch the collate function builds, works for
+    any batch structure (dicts, lists, a custom class) and sees exactly the samples that went together. It
+    stands in for the user's batch sampler on a shallow copy of the loader only (:func:`counted`); every other
+    attribute is the user's.
+    """
+
+    def __init__(self, inner: Any, seen: list[int]) -> None:
+        self.inner = inner
+        self.seen = seen
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.inner:
+            with contextlib.suppress(TypeError):  # indices without a length: nothing to count
+                self.seen.append(len(batch))
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def counted(loader: Any, seen: list[int]) -> Any:
+    """``loader``, or a shallow copy whose batch sampler appends each batch's sample count to ``seen``.
+
+    Only a ``DataLoader`` over a map-style dataset with a batch sampler is counted: an iterable dataset's batch
+    sampler yields placeholder indices that do not say how many samples the stream had left. The copy is made as
+    :func:`with_index_order` makes its own (no shared iterator or persistent worker pool).
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return loader
+    if loader.batch_sampler is None:
+        return loader
+    new = copy.copy(loader)
+    state = new.__dict__
+    state["batch_sampler"] = _CountedBatches(loader.batch_sampler, seen)
+    state["_iterator"] = None
+    state["persistent_workers"] = False
+    return new
+
+
+class HeldSizes:
+    """How many samples the batches of one search's probes held, by the batch size each probe asked for.
+
+    A loader's batches need not hold the size it is asked for: a batch sampler of the user's own (token budgets,
+    bucketing) decides them, a hook may not read the batch-size attribute, a sampler may draw fewer samples per
+    epoch than the size. A trial's verdict is about the batches it ran, so a size none of them held is not
+    verified: :meth:`verified_cap` says which size the probes did verify, :meth:`describe` what they saw.
+    """
+
+    def __init__(self) -> None:
+        self.by_size: dict[int, list[int]] = {}
+        """Size probed -> the sample count of every batch its probes drew (all the loaders' batches)."""
+        self.sources: dict[int, str] = {}
+        """Size probed -> what decides the batches of the loader probed at it (for the warning)."""
+        self._warned: set[str] = set()
+
+    def clear(self) -> None:
+        """Forget the counts (a new search); which stages were warned about is kept for the fit."""
+        self.by_size.clear()
+        self.sources.clear()
+
+    def first_warning(self, stage: str) -> bool:
+        """True the first time it is asked for ``stage``: the mismatch is said once per fit, noted at every search."""
+        if stage in self._warned:
+            return False
+        self._warned.add(stage)
+        return True
+
+    def record(self, size: int, source: str) -> list[int]:
+        """The list a probe at ``size`` appends its batches' sample counts to."""
+        self.sources.setdefault(size, source)
+        return self.by_size.setdefault(size, [])
+
+    def held(self, size: int) -> int | None:
+        """The most samples a batch of a probe at ``size`` held (None: not counted)."""
+        seen = self.by_size.get(size)
+        return max(seen) if seen else None
+
+    def mismatched(self) -> dict[int, tuple[int, int]]:
+        """Sizes whose probes' batches never held that many samples exactly: size -> (fewest, most) held.
+
+        An epoch's last, partial batch holds fewer and does not count: only the largest batch is compared.
+        """
+        return {size: (min(seen), max(seen)) for size, seen in self.by_size.items() if seen and max(seen) != size}
+
+    def verified_cap(self, fitting: Sequence[int]) -> int | None:
+        """The most samples a batch of a fitting probe (one at a size in ``fitting``) held, where some probe's
+        batches did not hold their size; None when every counted probe held its size (nothing to cap)."""
+        if not self.mismatched():
+            return None
+        held = [h for h in (self.held(size) for size in fitting) if h is not None]
+        return max(held) if held else None
+
+    def describe(self) -> str:
+        """``at sizes 2-240 the batches held 7-11 samples (its batch_sampler (TokenBudget) ...)``."""
+        off = self.mismatched()
+        sizes = sorted(off)
+        fewest = min(lo for lo, _ in off.values())
+        most = max(hi for _, hi in off.values())
+        span = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]}-{sizes[-1]}"
+        held = f"{fewest}" if fewest == most else f"{fewest}-{most}"
+        why = self.sources.get(sizes[-1], "")
+        return f"probes at {span} ran batches of {held} samples" + (f" ({why})" if why else "")
+
+
+def batches_source(loader: Any, size: int) -> str:
+    """What decides how many samples the batches of ``loader`` (built for ``size``) hold, for the warning."""
+    if not isinstance(loader, DataLoader):
+        return f"it is a {type(loader).__name__}"
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return f"its batch_sampler ({type(batch_sampler).__name__}) decides which samples go together"
+    if loader.batch_size is not None and loader.batch_size != size:
+        return f"the loader was built with batch_size={loader.batch_size}: does the hook read the batch-size attribute?"
+    sampler = getattr(batch_sampler, "sampler", None) or loader.sampler
+    return f"its sampler ({type(sampler).__name__}) draws fewer samples per epoch"
 
 
 @dataclass(frozen=True)
@@ -205,6 +360,8 @@ class ProbeBatches:
         self._streams: set[str] = set()
         self._probed: dict[str, _Probed] = {}
         """``where`` (``train``, ``train[0]``, ...) -> what its last ``largest`` probes ran on."""
+        self.held = HeldSizes()
+        """How many samples the current search's probe batches held, by the size probed (:meth:`arrange`)."""
 
     @classmethod
     def from_schedule(
@@ -239,19 +396,25 @@ class ProbeBatches:
             budgeted=schedule.memory.budget is not None or search.batching == "buckets",
         )
 
-    def arrange(self, loader: Any, stage: str, steps: int) -> Any:
+    def arrange(self, loader: Any, stage: str, steps: int, size: int | None = None) -> Any:
         """The loader a trial should iterate: ``loader`` itself, or (``largest``) its largest samples,
         enough for ``steps`` batches. Loaders returned in a dict, list or tuple (nested at will) or in a
-        Lightning 2.x ``CombinedLoader`` (a copy, in its own mode) are arranged one by one."""
+        Lightning 2.x ``CombinedLoader`` (a copy, in its own mode) are arranged one by one.
+
+        With ``size`` (the batch size the trial probes), each loader's batches are counted into :attr:`held`
+        as the trial draws them (:func:`counted`), so that the search can tell a size no batch held."""
         if is_combined_loader(loader) and hasattr(loader, "flattened"):
             arranged = copy.copy(loader)  # the hook's own object keeps its loaders
-            arranged.flattened = [self.arrange(d, f"{stage}[{i}]", steps) for i, d in enumerate(loader.flattened)]
+            arranged.flattened = [self.arrange(d, f"{stage}[{i}]", steps, size) for i, d in enumerate(loader.flattened)]
             return arranged
         if isinstance(loader, Mapping):
-            return {key: self.arrange(value, f"{stage}[{key!r}]", steps) for key, value in loader.items()}
+            return {key: self.arrange(value, f"{stage}[{key!r}]", steps, size) for key, value in loader.items()}
         if isinstance(loader, (list, tuple)) and loader and all(_holds_loaders(d) for d in loader):
-            return [self.arrange(value, f"{stage}[{i}]", steps) for i, value in enumerate(loader)]
-        return self._one(loader, stage, steps)
+            return [self.arrange(value, f"{stage}[{i}]", steps, size) for i, value in enumerate(loader)]
+        arranged = self._one(loader, stage, steps)
+        if size is None:
+            return arranged
+        return counted(arranged, self.held.record(size, batches_source(loader, size)))
 
     def _one(self, loader: Any, where: str, steps: int) -> Any:
         reason = why_not_reorderable(loader)
@@ -294,9 +457,9 @@ class ProbeBatches:
             )
             return loader
         batch_size = batch_size_of(loader)
-        chosen = scan.largest(batch_size)
+        batch = probe_batch(scan.largest(batch_size), batch_size, _drawn_per_epoch(loader.batch_sampler.sampler))
         self._probed[where] = _Probed(dataset, candidates, scan, scan)
-        return with_index_order(loader, chosen * steps, batch_size)
+        return with_index_order(loader, batch * steps, len(batch))
 
     def largest_change(self, stage: str, loaders: Sequence[Any], batch_size: int | None) -> LargestChange | None:
         """Whether the ``batch_size`` largest samples of ``stage``'s data are now larger than those its last
@@ -378,10 +541,13 @@ class ProbeBatches:
 
 
 __all__ = [
+    "HeldSizes",
     "LargestChange",
     "ProbeBatches",
     "budget_not_ensured",
     "candidate_indices",
+    "counted",
+    "probe_batch",
     "why_not_reorderable",
     "with_index_order",
 ]

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from retune import compat
 from retune.events import Direction
 from retune.messages import Say
+from retune.probing.probe_batches import HeldSizes
 from retune.probing.prober import Prober
 from retune.schedule.models import RetuneSchedule
 from retune.search.largest import Mode, SearchPlan, SearchResult, on_power_grid, run_model_search, run_search
@@ -75,6 +76,8 @@ class SearchJob:
     """What the stage's last search found (read only: the search path updates it)."""
     warn_once: Callable[[str, str], None] | None = None
     """``warn_once(where, message)``: says a reason once per fit (``search.predict``'s fallback)."""
+    held: HeldSizes | None = None
+    """How many samples the probes' batches held, by the size probed (None: not counted)."""
 
 
 class StageSearch(Protocol):
@@ -156,7 +159,8 @@ class FixedSearch:
         result = self._predicted(job) if job.schedule.search.predict == "auto" else None
         if result is not None:
             if self.mode == "power" and result.size is not None:  # the size power mode would end on, below a fit
-                result.size = on_power_grid(job.plan.start, result.size, job.plan.upper)
+                # power mode's sizes are init_val doubled (or halved), whatever size a warm start began from
+                result.size = on_power_grid(job.schedule.search.init_val, result.size, job.plan.upper)
         elif self.mode == "model" and self.limit is not None:
             # after an unfreeze the old slope misleads more than it helps: measure the new one
             prior = None if job.cold or job.direction == "down" else job.state.model
@@ -169,6 +173,39 @@ class FixedSearch:
             self.largest = result.size
             result = fastest_that_fits(job.prober, result, job.schedule, None if job.cold else job.state.size)
         self._trials = len(result.trials)
+        return self._as_held(job, result)
+
+    def _as_held(self, job: SearchJob, result: SearchResult) -> SearchResult:
+        """``result`` at most the most samples a fitting probe's batch held, where batches did not hold the size
+        probed (a batch sampler of the user's own, a hook that ignores the attribute, a sampler that draws fewer
+        samples per epoch): a trial's verdict is about the batches it ran, so a size none of them held was not
+        verified. Said once per fit (a warning naming what decides the batches) and in every such event's note.
+
+        Under DDP the ranks agree (one all-gather per search): a batch sampler of the user's own may give each rank
+        other batches, and every rank must apply the same size; the smallest cap any rank found is applied."""
+        held = job.held
+        if held is None or result.size is None:  # the same on every rank: the verdicts are agreed
+            return result
+        cap = held.verified_cap([t.batch_size for t in result.trials if t.fits])
+        local = None if cap is None else (cap, held.describe())
+        found = [c for c in compat.all_gather_object(job.trainer, local) if c is not None]
+        if not found:
+            return result
+        cap, seen = min(found)
+        capped = min(result.size, cap)
+        message = (
+            f"the {job.stage} dataloader's batches do not hold the batch size retune probes: {seen}. A size no "
+            f"probe batch held is not verified, so the {job.stage} batch size is {capped}"
+            + (f" (not {result.size})" if capped != result.size else "")
+            + ", the most samples a fitting probe's batch held; the batches training runs are the ones the loader "
+            "makes, whatever the batch size"
+        )
+        if held.first_warning(job.stage) and job.warn_once is not None:
+            job.warn_once(job.stage, message)
+        self.note = "; ".join(n for n in (self.note, message) if n)
+        result.size = capped
+        if result.max_fitting is not None:
+            result.max_fitting = min(result.max_fitting, cap)
         return result
 
     def what(self, stage: str) -> str:

@@ -156,21 +156,27 @@ def _next_size(plan: SearchPlan, lo: int | None, hi: int | None, hint: int | Non
     return (lo + hi) // 2, hint
 
 
-def on_power_grid(start: int, size: int, upper: int) -> int:
-    """The size ``power`` mode ends on when ``size`` is the largest that fits: the largest ``start`` doubled or
+def on_power_grid(init_val: int, size: int, upper: int) -> int:
+    """The size ``power`` mode ends on when ``size`` is the largest that fits: the largest ``init_val`` doubled or
     halved a whole number of times that is at most ``size`` (``upper`` itself where ``size`` reaches it, as the
     doubling stops there). A prediction finds ``size`` directly; ``power`` keeps its sizes.
 
-    >>> on_power_grid(2, 971, 8192), on_power_grid(2, 8192, 8192), on_power_grid(48, 30, 8192)
-    (512, 8192, 24)
+    The grid is the schedule's ``init_val``'s, not a warm start's first size: a predicted search's verified size
+    is off the grid (36 where 32 was applied), and a re-tune starting there would put every later size on that
+    size's own grid (36 halved: 18), where a power search from ``init_val`` gives 16.
+
+    >>> on_power_grid(2, 971, 8192), on_power_grid(2, 8192, 8192), on_power_grid(48, 30, 8192), on_power_grid(3, 2, 99)
+    (512, 8192, 24, 1)
     """
     if size >= upper:
         return upper
-    grid = max(1, start)
-    while grid > size:
+    grid = max(1, init_val)
+    if grid <= size:  # doubled, as a power search climbs
+        while grid * 2 <= size:
+            grid *= 2
+        return grid
+    while grid > size:  # halved, as a power search whose first size fails goes down (3 -> 1, never 2)
         grid = max(1, grid // 2)
-    while grid * 2 <= size:
-        grid *= 2
     return grid
 
 

@@ -157,7 +157,7 @@ def search_stage(
     step_limit = budget if budget is not None else available
     search = batching.begin(loader, say, Limits(mode, limit, note, budget, device, step_limit))
     plan, direction = _plan(
-        schedule, mode, compat.dataset_length(loader, trainer.world_size), state, cold, direction, known_oom
+        schedule, mode, compat.dataset_length(loader, compat.sharded_across(trainer)), state, cold, direction, known_oom
     )
     del loader
     epoch = trainer.current_epoch
@@ -173,11 +173,17 @@ def search_stage(
         stage=stage,
         device_limit=available,
         track_memory=search.needs_peaks or stats_for(device) is not None,  # a caching allocator
-        arrange=lambda loader: probe_batches.arrange(loader, stage, prober.steps_per_trial),
+        # the size the prober just wrote to the attribute: what each batch of the trial should hold
+        arrange=lambda loader: probe_batches.arrange(
+            loader, stage, prober.steps_per_trial, size=compat.get_batch_attr(trainer, pl_module, name)
+        ),
         time_steps=config.objective == "throughput",
         clock=clock,
     )
-    job = SearchJob(trainer, stage, schedule, plan, prober, direction, cold, state, probe_batches.warn_once)
+    probe_batches.held.clear()  # the batches this search's probes hold, by the size probed
+    job = SearchJob(
+        trainer, stage, schedule, plan, prober, direction, cold, state, probe_batches.warn_once, probe_batches.held
+    )
     try:
         with prober.session():
             result = search.run(job)

@@ -155,6 +155,23 @@ def test_dataset_length_finds_loaders_in_any_nesting_and_combined_loaders() -> N
     assert leaf_loaders({"x": [a, b], "y": c}) == [a, b, c]
 
 
+def test_the_cap_is_what_the_sampler_draws_per_epoch_not_the_dataset() -> None:
+    """No batch holds more than one epoch's draws: a subset, a weighted sampler's ``num_samples``, a
+    ``RandomSampler``'s; a ``DistributedSampler`` of the user's own is one rank's shard already (Lightning keeps it),
+    any other sampler is divided among the ranks Lightning shards it across (before: ``len(dataset)`` for all)."""
+    data = _data(240, 0)
+    subset = DataLoader(data, batch_size=2, sampler=torch.utils.data.SubsetRandomSampler(range(48)))
+    weighted = DataLoader(data, batch_size=2, sampler=torch.utils.data.WeightedRandomSampler([1.0] * 240, 100))
+    drawn = DataLoader(data, batch_size=2, sampler=torch.utils.data.RandomSampler(data, num_samples=30))
+    shard = DataLoader(data, batch_size=2, sampler=torch.utils.data.DistributedSampler(data, num_replicas=4, rank=1))
+    assert [dataset_length(d, world_size=1) for d in (subset, weighted, drawn, shard)] == [48, 100, 30, 60]
+    assert [dataset_length(d, world_size=2) for d in (subset, weighted, drawn, shard)] == [24, 50, 15, 60]
+    assert dataset_length({"a": subset, "b": drawn}, world_size=1) == 48  # the largest epoch among them
+    # a batch sampler of the user's own without a sampler: the dataset's length (torch's placeholder sampler)
+    own = DataLoader(data, batch_sampler=[[0, 1], [2, 3]])
+    assert dataset_length(own, world_size=1) == 240
+
+
 def test_an_iterable_dataset_anywhere_means_no_cap() -> None:
     class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         def __iter__(self) -> Any:
