@@ -83,9 +83,13 @@ class RetuneEvent:
     samples first (empty with ``fixed``). ``batch_size_after`` is then the size of the longest samples' bucket,
     the one size that fits every batch, which the batch-size attribute holds."""
     bucket_sizes_before: list[int] = field(default_factory=list)
-    """Each bucket's size before the search (empty at the first one)."""
+    """Each bucket's size before the search (empty at the first one), of the buckets then in force: where the
+    search grouped the samples anew, ``bucket_bounds_before`` says which."""
     bucket_bounds: list[int] = field(default_factory=list)
     """Each bucket's largest sample size (``sample_size``), the worst batch its size was probed on."""
+    bucket_bounds_before: list[int] = field(default_factory=list)
+    """The buckets' largest sample sizes before the search, where the search grouped the samples anew (other
+    bounds: ``bucket_sizes_before`` are those buckets' sizes); empty where the bounds stayed."""
     bucket_samples: list[int] = field(default_factory=list)
     """How many samples each bucket holds."""
     trial_buckets: list[int] = field(default_factory=list)

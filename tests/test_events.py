@@ -55,6 +55,7 @@ def test_to_dict_fields_and_trials_as_pairs() -> None:
         "bucket_sizes": [],
         "bucket_sizes_before": [],
         "bucket_bounds": [],
+        "bucket_bounds_before": [],
         "bucket_samples": [],
         "trial_buckets": [],
         "samples_per_step": 0.0,

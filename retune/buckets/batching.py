@@ -61,6 +61,8 @@ class BucketSearch:
         self.prediction = PredictionRecord()
         self.traced: TracedBuckets | None = None
         """``search.predict``: the traced fixed memory and memory per sample (by the longest sample)."""
+        self.before: tuple[list[int], list[int]] = ([], [])
+        """The bucket sizes in force when the search started, and their buckets' largest samples."""
 
     def describe(self, plan: SearchPlan) -> str:
         grouped = self.grouped
@@ -68,6 +70,9 @@ class BucketSearch:
 
     def run(self, job: SearchJob) -> SearchResult:
         config, plan = job.schedule.search, job.plan
+        in_force = self.buckets.buckets
+        # the sizes and buckets in force before the search, for the event (the outcome's are the same buckets')
+        self.before = (list(self.buckets.state.sizes), [] if in_force is None else list(in_force.largest))
         outcome = self.buckets.search(
             job.trainer,
             self.grouped,
@@ -182,11 +187,18 @@ class BucketSearch:
             prediction["predicted_bytes"] = [
                 round(traced.fixed + t.batch_size * traced.slope(tops[t.bucket])) for t in trials
             ]
+        sizes_before, bounds_before = list(outcome.sizes_before), []
+        old_sizes, old_bounds = self.before
+        if not sizes_before and old_sizes and len(old_sizes) == len(old_bounds):
+            # the search grouped the samples anew: the sizes in force were other buckets' (said with their bounds)
+            sizes_before = old_sizes
+            bounds_before = old_bounds if old_bounds != list(outcome.buckets.largest) else []
         return {
             **prediction,
             "largest": _reference_largest(outcome),
             "bucket_sizes": [int(s) for s in outcome.sizes if s is not None],
-            "bucket_sizes_before": list(outcome.sizes_before),
+            "bucket_sizes_before": sizes_before,
+            "bucket_bounds_before": bounds_before,
             "bucket_bounds": list(outcome.buckets.largest),
             "bucket_samples": [len(m) for m in outcome.buckets.members],
             "trial_buckets": [t.bucket for t in outcome.result.trials],

@@ -246,6 +246,10 @@ class OomRecovery:
             if self.buckets is not None:
                 bucket = self.buckets.record_failure(trainer, failed=samples, fitting=largest_piece)
         where = "" if bucket is None else f" (bucket {bucket}, its next search lowers only its size)"
+        if bucket is not None and self.buckets is not None:
+            # the attribute holds the longest samples' bucket's size only: the size in force is the failed bucket's
+            sizes = self.buckets.state.sizes
+            size = sizes[bucket] if 0 <= bucket < len(sizes) else samples
         event = RetuneEvent(
             epoch=trainer.current_epoch,
             global_step=trainer.global_step,

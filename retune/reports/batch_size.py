@@ -355,7 +355,7 @@ def format_summary(event: RetuneEvent, where: str | None = None) -> str:
             f"batch size {event.batch_size_after} and was recovered ({event.note}); trigger oom"
         )
     if event.bucket_sizes:
-        before = _slashed(event.bucket_sizes_before) or str(event.batch_size_before)
+        before = _sizes_before(event)
         return (
             f"{where or f'epoch {event.epoch}'}: {event.stage} batch sizes per bucket {before} -> "
             f"{_slashed(event.bucket_sizes)} ({_bucket_throughput(event)}samples up to "
@@ -430,9 +430,18 @@ def event_metrics(event: RetuneEvent) -> dict[str, float]:
 _ARROW = " \u2192 "
 
 
+def _sizes_before(e: RetuneEvent) -> str:
+    """A bucketed event's sizes before the search: per bucket, with the buckets' bounds where the search grouped
+    the samples anew (the sizes are other buckets'); the batch-size attribute's before the first."""
+    before = _slashed(e.bucket_sizes_before) or str(e.batch_size_before)
+    if e.bucket_bounds_before and e.bucket_sizes_before:
+        before += f" (samples up to {_slashed(e.bucket_bounds_before)})"
+    return before
+
+
 def _size_change(e: RetuneEvent) -> str:
     if e.bucket_sizes:
-        return f"{_slashed(e.bucket_sizes_before) or e.batch_size_before} -> {_slashed(e.bucket_sizes)}"
+        return f"{_sizes_before(e)} -> {_slashed(e.bucket_sizes)}"
     return f"{e.batch_size_before} -> {e.batch_size_after}"
 
 

@@ -29,6 +29,7 @@ from retune.buckets.plan import (
 )
 from retune.buckets.sizes import search_buckets
 from retune.buckets.train_buckets import BucketState
+from retune.reports.batch_size import format_summary
 from retune.schedule.models import parse_byte_size
 from retune.search.largest import SearchPlan, apply_margin
 from tests.helpers import bucket_data
@@ -159,6 +160,21 @@ def test_a_predicted_search_moves_the_bounds_only_to_take_fewer_steps(runs: dict
     assert state.by_steps and state.bounds == history[-1].bucket_bounds
     assert BucketState.from_dict(state.to_dict()).by_steps, "a checkpoint carries the bounds' origin"
     assert not BucketState.from_dict({k: v for k, v in state.to_dict().items() if k != "by_steps"}).by_steps
+
+
+def test_a_search_that_regroups_reports_the_sizes_and_bounds_in_force_before_it(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    """Where a search groups the samples anew, its event's sizes before are the buckets' then in force, with
+    their bounds; the summary said the longest bucket's size alone (``16 -> 78/52/8``)."""
+    first, second = runs["auto"]["finder"].history
+    assert second.bucket_bounds != first.bucket_bounds  # this re-tune regrouped the samples
+    assert second.bucket_sizes_before == first.bucket_sizes
+    assert second.bucket_bounds_before == first.bucket_bounds
+    line = format_summary(second)
+    before = "/".join(map(str, first.bucket_sizes)) + " (samples up to " + "/".join(map(str, first.bucket_bounds))
+    assert before + ") -> " + "/".join(map(str, second.bucket_sizes)) in line, line
+    assert first.bucket_bounds_before == [] and runs["off"]["finder"].history[1].bucket_bounds_before == []
 
 
 def test_every_bucket_of_a_new_plan_is_verified_and_every_step_fits(runs: dict[str, dict[str, Any]]) -> None:

@@ -145,3 +145,38 @@ def test_the_split_kept_after_an_oom_cuts_only_the_failing_buckets_batches() -> 
     assert min(lengths) > 100, "only batches of the failing (long) bucket are split"
     assert model.real_calls[0] == len(model.calls_per_batch) + sum(calls - 1 for _, calls in split)
     assert sorted(i for indices, _ in model.calls_per_batch for i in indices) == list(range(N))
+
+
+class _ShortHalved(_CostOracle):
+    """From global step 1 the shortest samples' bucket's batches have half the capacity (the budget of a real
+    step shrank for them only): they run out of memory and are recovered, the other buckets train as planned."""
+
+    def __init__(self, data: Any, capacity: int, short_top: int) -> None:
+        super().__init__(data, capacity)
+        self.full, self.short_top = capacity, short_top
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        ids = batch[0]
+        short = int((ids > 0).sum(1).max()) <= self.short_top
+        self.capacity = self.full // 2 if short and self.trainer.global_step >= 1 else self.full
+
+
+def test_a_recovered_step_is_reported_at_its_buckets_size_not_the_longest_buckets() -> None:
+    """The batch-size attribute holds the longest samples' bucket's size only; an OOM of a shorter bucket's
+    batch was reported at that size (``2 -> 2`` for a batch of 76, in the warning, the history and the report)."""
+    seed(0)
+    data = _data()
+    scan = scan_sizes(data, range(len(data)), tokens)
+    short_top = plan_buckets(scan.order, scan.sizes, 4).largest[0]
+    model = _ShortHalved(data, capacity=2048, short_top=short_top)
+    finder = ScheduledBatchSizeFinder(_oracle_schedule(True), sample_size=tokens, verbose=False, write_report=False)
+    bucket_data.trainer([finder], epochs=1).fit(model)
+    sizes = finder.history[0].bucket_sizes
+    assert sizes[0] != sizes[-1], sizes  # the shortest and the longest bucket's sizes differ: the test can tell
+    recoveries = [e for e in finder.history if e.is_recovery]
+    assert recoveries and all("bucket 0" in e.note for e in recoveries), [e.note for e in recoveries]
+    for event in recoveries:
+        assert event.batch_size_before == event.batch_size_after == sizes[0], (event, sizes)
+        failed = int(event.note.split("on a batch of ")[1].split(";")[0])
+        assert 1 < failed <= sizes[0], (failed, sizes)  # the failed batch is the short bucket's (partial or whole)
