@@ -23,6 +23,7 @@ from retune import ScheduledBatchSizeFinder
 from retune.recovery.step_rng import StepRng
 from tests.helpers.lightning_ns import pl, seed
 from tests.helpers.oom_oracle import FailInBackward
+from tests.helpers.varlen import trainer as quiet_trainer
 
 
 def _bernoulli_draws_per_element() -> bool:
@@ -96,17 +97,7 @@ def _fit(capacity: int | None, **kwargs: Any) -> tuple[DropoutNet, torch.Tensor,
     finder = None
     if capacity is not None:
         finder = ScheduledBatchSizeFinder({"triggers": [{"kind": "oom"}]}, verbose=False, write_report=False)
-    pl.Trainer(
-        max_epochs=1,
-        callbacks=[] if finder is None else [finder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        accelerator="cpu",
-    ).fit(model)
+    quiet_trainer([] if finder is None else [finder], 1, limit_val_batches=0).fit(model)
     return model, torch.get_rng_state(), finder
 
 

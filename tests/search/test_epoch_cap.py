@@ -31,6 +31,7 @@ from torch.utils.data import (
 from retune import ScheduledBatchSizeFinder
 from tests.helpers.lightning_ns import pl, seed
 from tests.helpers.retune_warnings import retune_warnings
+from tests.helpers.varlen import trainer as quiet_trainer
 
 N = 240
 SUBSET = list(range(0, N, 5))  # 48 samples
@@ -89,18 +90,7 @@ def _fit(model: Indexed, **search: Any) -> tuple[ScheduledBatchSizeFinder, RealS
         write_report=False,
     )
     steps = RealSteps()
-    trainer = pl.Trainer(
-        max_epochs=1,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[finder, steps],
-    )
+    trainer = quiet_trainer([finder, steps], 1, limit_val_batches=0)
     with retune_warnings() as said:
         trainer.fit(model)
     return finder, steps, said

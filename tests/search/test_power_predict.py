@@ -25,6 +25,7 @@ from retune.search.batching import FixedSearch, Limits, SearchJob
 from retune.search.largest import SearchPlan, SearchResult, on_power_grid
 from retune.search.stage import StageState
 from tests.helpers.lightning_ns import pl, seed
+from tests.helpers.varlen import trainer as quiet_trainer
 
 
 def test_the_grid_is_init_vals() -> None:
@@ -90,18 +91,8 @@ def test_every_size_a_predicted_power_search_applies_is_init_val_doubled() -> No
         verbose=False,
         write_report=False,
     )
-    trainer = pl.Trainer(
-        max_epochs=3,
-        limit_train_batches=2,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        devices=1,
-        callbacks=[finetuning(unfreeze_backbone_at_epoch=1), finder],
+    trainer = quiet_trainer(
+        [finetuning(unfreeze_backbone_at_epoch=1), finder], 3, limit_train_batches=2, limit_val_batches=0
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
