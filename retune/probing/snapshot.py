@@ -46,6 +46,7 @@ from torch import nn
 from retune.distributed.local_shards import is_sharded, like_sharded, local
 from retune.probing.attributes import ModuleAttributes
 from retune.probing.host_copy import contiguous_strides, host_copies
+from retune.probing.metric_states import MetricStates
 from retune.random_state import sampler_generators
 
 
@@ -109,7 +110,7 @@ class TrainingSnapshot:
     optimizers: list[_OptimizerState] = field(default_factory=list)
     stateful: list[tuple[Any, Any]] = field(default_factory=list)
     counters: list[tuple[Any, str, Any]] = field(default_factory=list)
-    metrics: list[tuple[nn.Module, dict[str, Any]]] = field(default_factory=list)
+    metrics: MetricStates = field(default_factory=MetricStates)
     attributes: ModuleAttributes = field(default_factory=ModuleAttributes)
     """The contents of the module's public list, dict and set attributes (a step's outputs gathered for an
     epoch-end hook: :mod:`retune.probing.attributes`)."""
@@ -143,8 +144,6 @@ class TrainingSnapshot:
         for sub in module.modules():
             snap.modes.append((sub, sub.training))
             buffers += [(sub, name, buf) for name, buf in sub._buffers.items() if buf is not None]
-            if _is_metric(sub):
-                snap.metrics.append((sub, _metric_state(sub)))
         state_tensors = [
             value
             for optimizer in optimizers
@@ -203,6 +202,7 @@ class TrainingSnapshot:
             snap.optimizers.append(_OptimizerState(optimizer, state, groups))
         snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in stateful]
         snap.counters = [(obj, name, copy.deepcopy(getattr(obj, name))) for obj, name in counters]
+        snap.metrics = MetricStates.capture(module)
         snap.attributes = ModuleAttributes.capture(module, bindings=True)
         snap.rng = _rng_state()
         snap.generators = [(g, g.get_state()) for g in generators]
@@ -279,9 +279,7 @@ class TrainingSnapshot:
             obj.load_state_dict(copy.deepcopy(state))
         for obj, name, value in self.counters:
             setattr(obj, name, copy.deepcopy(value))
-        for metric, state in self.metrics:
-            for name, value in state.items():
-                setattr(metric, name, copy.deepcopy(value))
+        self.metrics.restore()
         _set_rng_state(self.rng)
         for generator, gen_state in self.generators:
             generator.set_state(gen_state)
@@ -343,21 +341,6 @@ def _can_hold(tensor: torch.Tensor) -> bool:
         and tensor.untyped_storage().nbytes() == _nbytes(tensor)
         and tensor.numel() > 0
     )
-
-
-_METRIC_BOOKKEEPING = ("_update_count", "_computed", "_forward_cache")
-
-
-def _is_metric(module: nn.Module) -> bool:
-    """A torchmetrics ``Metric``, checked without importing torchmetrics (it is optional)."""
-    torchmetrics = sys.modules.get("torchmetrics")
-    return torchmetrics is not None and isinstance(module, torchmetrics.Metric)
-
-
-def _metric_state(metric: Any) -> dict[str, Any]:
-    """The states registered with ``add_state`` (listed in ``_defaults``) and the update bookkeeping."""
-    names = [*metric._defaults, *(name for name in _METRIC_BOOKKEEPING if hasattr(metric, name))]
-    return {name: copy.deepcopy(getattr(metric, name)) for name in names}
 
 
 def _restore_optimizer(opt: _OptimizerState, final: bool) -> None:

@@ -18,7 +18,8 @@ setting to use; none does: the loss couples the samples and no recovery can be e
 The check leaves no trace (:class:`ExactnessCheck`): under ``torch.no_grad``, the global RNGs put back, every
 buffer of the module put back, its public attributes put back as after a probe (:mod:`retune.probing.attributes`:
 the losses a ``training_step`` appends to ``self.training_step_outputs`` for an epoch-end mean are taken out
-again), what ``self.log`` records dropped, no backward and no optimizer step. Dropout
+again) and every torchmetrics ``Metric``'s states (:mod:`retune.probing.metric_states`), what ``self.log``
+records dropped, no backward and no optimizer step. Dropout
 (its rate set to 0 too, which Hugging Face's attention reads) and BatchNorm layers run in eval mode while it
 runs: a random mask or a batch statistic differs between a batch and its halves by nature (BatchNorm's
 difference is the one a recovery accepts, see :mod:`retune.recovery.running_stats`), not because of the loss.
@@ -50,6 +51,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from retune.errors import RetuneError
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.probing.attributes import attributes_kept
+from retune.probing.metric_states import metrics_kept
 from retune.random_state import preserved_rng
 from retune.recovery.loss_items import BUILTIN, ItemsFn
 from retune.recovery.micro_batches import LossReduction, loss_weights, samples_in
@@ -214,7 +216,8 @@ def no_trace(module: nn.Module) -> Iterator[None]:
     modes = [(m, m.training, m.p if isinstance(m, _DropoutNd) else None) for m in layers]
     buffers = [b for b in module.buffers() if isinstance(b, torch.Tensor)]
     saved = [b.detach().clone() for b in buffers]
-    with attributes_kept(module), preserved_rng(), torch.no_grad():
+    # metrics outermost: put back after the attributes, which would otherwise rename the updated state objects
+    with metrics_kept(module), attributes_kept(module), preserved_rng(), torch.no_grad():
         try:
             for m, _, p in modes:
                 m.training = False

@@ -560,6 +560,38 @@ def test_the_check_leaves_no_losses_in_the_modules_lists() -> None:
     assert calls == calls_without + 3  # a Counter (a dict subclass) is not put back: it sees the check's steps
 
 
+class MetricSteps(Classifier):
+    """A torchmetrics ``SumMetric`` of each step's loss, updated in ``training_step`` (every Flash task updates
+    its metrics there), read at each epoch's end."""
+
+    def __init__(self) -> None:
+        super().__init__("mean")
+        torchmetrics = pytest.importorskip("torchmetrics")
+        self.loss_sum = torchmetrics.SumMetric()
+        self.epoch_sums: list[tuple[int, float]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.loss_sum.update(loss.detach())
+        return loss
+
+    def on_train_epoch_end(self) -> None:
+        self.epoch_sums.append((int(self.loss_sum._update_count), float(self.loss_sum.compute())))
+        self.loss_sum.reset()
+
+
+def test_the_check_leaves_nothing_in_a_metric_the_step_updates() -> None:
+    """The check's three forwards updated a torchmetrics metric too (its epoch value counted them: 9 updates where
+    the run made 6); the metric's states are put back after the check, as after a probe."""
+    runs = {}
+    for check in (True, False):
+        seed(0)
+        model = MetricSteps()
+        _fit(model, {"kind": "oom", "check_exactness": check})
+        runs[check] = model.epoch_sums
+    assert runs[True] == runs[False] and runs[True][0][0] == 6, runs
+
+
 # -- the pure judgement ------------------------------------------------------------------------------------------
 
 
