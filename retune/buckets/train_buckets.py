@@ -81,24 +81,17 @@ def sampler_that_chooses(loader: Any, world_size: int = 1, rank: int = 0) -> str
     sampler = getattr(batch_sampler, "sampler", None) if batch_sampler is not None else None
     if sampler is None or isinstance(batch_sampler, BucketBatchSampler):
         return None
-    length = _length(getattr(loader, "dataset", None))
+    length = compat.length_of(getattr(loader, "dataset", None))
     # exact classes: subclasses (Lightning's wrapper of a custom sampler under DDP, a user's own) may choose
     if type(sampler) is SequentialSampler:
-        return None if length is not None and _length(sampler) == length else type(sampler).__name__
+        return None if length is not None and compat.length_of(sampler) == length else type(sampler).__name__
     if type(sampler) is DistributedSampler:
-        own = sampler.num_replicas == world_size and sampler.rank == rank and _length(sampler.dataset) == length
+        own = (sampler.num_replicas, sampler.rank) == (world_size, rank) and compat.length_of(sampler.dataset) == length
         return None if own and length is not None else type(sampler).__name__
     if type(sampler) is RandomSampler:
-        whole = length is not None and sampler.num_samples == length and _length(sampler.data_source) == length
+        whole = length is not None and sampler.num_samples == length and compat.length_of(sampler.data_source) == length
         return None if not sampler.replacement and whole else "RandomSampler with replacement or num_samples"
     return type(sampler).__name__
-
-
-def _length(obj: Any) -> int | None:
-    try:
-        return len(obj)
-    except TypeError:
-        return None
 
 
 @dataclass(frozen=True)

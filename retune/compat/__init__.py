@@ -27,7 +27,7 @@ The functions the rest of retune calls are re-exported here (``compat.request_da
 from __future__ import annotations
 
 from retune.compat.batch_attr import batch_attr_places, get_batch_attr, has_batch_attr, set_batch_attr
-from retune.compat.combined_loaders import train_loaders
+from retune.compat.combined_loaders import length_of, train_loaders
 from retune.compat.data import (
     batch_to_device,
     check_source,
@@ -104,6 +104,7 @@ __all__ = [
     "hooks_isolated",
     "is_ddp",
     "is_distributed",
+    "length_of",
     "is_legacy",
     "is_sharded",
     "journal_logged_metrics",

@@ -134,12 +134,12 @@ def epoch_samples(loader: Any, world_size: int) -> int | None:
         return None
     sampler = _epoch_sampler(loader)
     if isinstance(sampler, torch.utils.data.DistributedSampler):
-        sharded = _length(sampler)  # the user's own shard: Lightning keeps it, and it is per rank already
+        sharded = length_of(sampler)  # the user's own shard: Lightning keeps it, and it is per rank already
         if sharded is not None:
             return sharded
-    samples = _length(sampler) if sampler is not None else None
+    samples = length_of(sampler) if sampler is not None else None
     if samples is None:
-        samples = _length(dataset)
+        samples = length_of(dataset)
     if samples is None:
         return None
     return -(-samples // max(world_size, 1))
@@ -154,7 +154,12 @@ def _epoch_sampler(loader: Any) -> Any:
     return inner if inner is not None else getattr(loader, "sampler", None)
 
 
-def _length(obj: Any) -> int | None:
+def length_of(obj: Any) -> int | None:
+    """``len(obj)``, or None where it has no length (a sampler without ``__len__``, an iterable dataset).
+
+    >>> length_of([1, 2]), length_of(iter([1, 2]))
+    (2, None)
+    """
     try:
         return len(obj)
     except (TypeError, NotImplementedError):
@@ -168,6 +173,7 @@ __all__ = [
     "epoch_samples",
     "is_combined_loader",
     "leaf_loaders",
+    "length_of",
     "train_batches",
     "train_loaders",
 ]

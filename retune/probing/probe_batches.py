@@ -40,7 +40,7 @@ from torch.utils.data import (
 )
 
 from retune import messages
-from retune.compat.combined_loaders import is_combined_loader
+from retune.compat.combined_loaders import is_combined_loader, length_of
 from retune.errors import FieldProblem, RetuneError, ScheduleError
 from retune.probing.sample_sizes import (
     SizeCache,
@@ -144,14 +144,6 @@ def probe_batch(chosen: list[int], size: int, drawn: int | None) -> list[int]:
         return chosen
     target = min(size, drawn)
     return [chosen[i % len(chosen)] for i in range(target)]
-
-
-def _drawn_per_epoch(sampler: Any) -> int | None:
-    """The samples ``sampler`` draws per epoch (None: it cannot say)."""
-    try:
-        return len(sampler)
-    except (TypeError, NotImplementedError):
-        return None
 
 
 def batch_size_of(loader: DataLoader[Any]) -> int:
@@ -457,7 +449,7 @@ class ProbeBatches:
             )
             return loader
         batch_size = batch_size_of(loader)
-        batch = probe_batch(scan.largest(batch_size), batch_size, _drawn_per_epoch(loader.batch_sampler.sampler))
+        batch = probe_batch(scan.largest(batch_size), batch_size, length_of(loader.batch_sampler.sampler))
         self._probed[where] = _Probed(dataset, candidates, scan, scan)
         return with_index_order(loader, batch * steps, len(batch))
 
