@@ -55,7 +55,10 @@ def test_ranks_agree_on_every_bucket_size_and_re_tune_after_the_unfreeze(
     assert len(set(frozen["bucket_sizes"])) > 1, "buckets of different lengths get different sizes"
     # buckets capped by their share of samples (a whole bucket in one batch) may keep their size
     assert all(a <= b for a, b in zip(unfrozen["bucket_sizes"], frozen["bucket_sizes"], strict=True))
-    assert sum(unfrozen["bucket_sizes"]) < sum(frozen["bucket_sizes"])
+    # the unfreeze costs memory: the largest sizes that fit shrink (with ``throughput`` the sizes applied are the
+    # fastest ones below those, chosen by timing trials: they may stay where they were, as they did in one CI run)
+    memory_bound = "bucket_largest" if objective == "throughput" else "bucket_sizes"
+    assert sum(unfrozen[memory_bound]) < sum(frozen[memory_bound])
     assert ranks[0]["bucket_sizes"] == ranks[1]["bucket_sizes"] == unfrozen["bucket_sizes"]
     if objective == "throughput":  # each bucket at most the largest that fits it
         for event in (frozen, unfrozen):
