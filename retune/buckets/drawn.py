@@ -36,7 +36,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,6 +199,56 @@ def shards_itself(sampler: Any) -> bool:
     if isinstance(sampler, DistributedSampler):
         return True
     return hasattr(sampler, "num_replicas") and hasattr(sampler, "rank")
+
+
+class EveryRankDraws:
+    """One epoch of a run's own ``DistributedSampler`` over all its ranks, as one sampler (one pass: every draw).
+
+    A ``DistributedSampler(drop_last=True)`` over a dataset that the ranks do not divide trims the epoch's
+    order to a multiple of the ranks: ``len(dataset) % num_replicas`` samples, other ones each epoch when it
+    shuffles, do not train. Buckets that replaced it with every sample once trained those too. Instead its
+    draws are grouped as a choosing sampler's are (:class:`DrawnBucketBatchSampler`): this pass is its epoch
+    order across the ranks, read from a copy per rank (the sampler's own ``__iter__``: its seed, epoch and
+    shuffle; no generator of the run advances), so the ranks together train exactly the samples it keeps.
+
+    >>> from torch.utils.data import DistributedSampler
+    >>> sampler = DistributedSampler(range(5), num_replicas=2, rank=0, shuffle=False, drop_last=True)
+    >>> list(EveryRankDraws(sampler)), len(EveryRankDraws(sampler))  # sample 4 is trimmed
+    ([0, 1, 2, 3], 4)
+    """
+
+    def __init__(self, sampler: DistributedSampler[Any]) -> None:
+        self.sampler = sampler
+
+    def __len__(self) -> int:
+        return int(self.sampler.num_samples) * int(self.sampler.num_replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        shares = []
+        for rank in range(self.sampler.num_replicas):
+            share = copy.copy(self.sampler)  # the same seed, epoch and shuffle; only the rank differs
+            share.rank = rank
+            shares.append(list(share))
+        for step in zip(*shares, strict=True):  # rank r's i-th draw is the epoch order's (i * ranks + r)-th
+            yield from (int(index) for index in step)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+def trims_across_ranks(sampler: Any, length: int | None) -> bool:
+    """Whether ``sampler``, a ``DistributedSampler``, leaves samples of a dataset of ``length`` out of every epoch
+    (``drop_last=True`` and a length its replicas do not divide): see :class:`EveryRankDraws`.
+
+    >>> from torch.utils.data import DistributedSampler
+    >>> trims_across_ranks(DistributedSampler(range(5), num_replicas=2, rank=0, drop_last=True), 5)
+    True
+    >>> trims_across_ranks(DistributedSampler(range(4), num_replicas=2, rank=0, drop_last=True), 4)
+    False
+    """
+    if not isinstance(sampler, DistributedSampler) or not sampler.drop_last or length is None:
+        return False
+    return length % int(sampler.num_replicas) != 0
 
 
 def why_draws_unknown(sampler: Any, world_size: int, *, sharded_by_lightning: bool = True) -> str | None:
@@ -383,11 +434,13 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
 __all__ = [
     "DrawnBucketBatchSampler",
     "DrawnStep",
+    "EveryRankDraws",
     "bucket_of_index",
     "deal",
     "draw_epoch",
     "drawn_batches",
     "drawn_steps",
     "shards_itself",
+    "trims_across_ranks",
     "why_draws_unknown",
 ]

@@ -25,7 +25,7 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from retune import compat
-from retune.buckets.drawn import DrawnBucketBatchSampler, why_draws_unknown
+from retune.buckets.drawn import DrawnBucketBatchSampler, EveryRankDraws, trims_across_ranks, why_draws_unknown
 from retune.buckets.loader import BucketBatchSampler, TrainLoaderHook, is_shuffled, loader_seed
 from retune.buckets.loader import with_batch_sampler as _with_batch_sampler
 from retune.buckets.plan import (
@@ -52,6 +52,8 @@ from retune.probing.prober import Prober
 from retune.search.predict_run import steady_probes
 from retune.search.throughput import ThroughputPlan, choose_fastest, selection_budget, selection_steps
 
+_TRIMS = "DistributedSampler with drop_last=True"  # the run's own, over a dataset its ranks do not divide
+
 
 def sampler_that_chooses(loader: Any, world_size: int = 1, rank: int = 0) -> str | None:
     """The class name of ``loader``'s sampler when it decides *which* samples train (and how often), else None.
@@ -65,7 +67,9 @@ def sampler_that_chooses(loader: Any, world_size: int = 1, rank: int = 0) -> str
     classes over part of the dataset — a ``SequentialSampler`` over the first 100 positions, a
     ``DistributedSampler`` that shards a one-process run (an array job's share of the data) — choose, as
     do a ``WeightedRandomSampler``, a ``RandomSampler`` with replacement or another ``num_samples``, and a
-    custom sampler (a subset, a curriculum): replacing their draws would silently train other data, so
+    custom sampler (a subset, a curriculum), and the run's own ``DistributedSampler(drop_last=True)`` where the
+    ranks do not divide the dataset (it leaves samples out of each epoch: :func:`draws_source`):
+    replacing their draws would silently train other data, so
     buckets group their own draws each epoch (:class:`~retune.buckets.drawn.DrawnBucketBatchSampler`), or
     leave the loader as the user built it when they cannot be known before the epoch or shared by the ranks.
 
@@ -87,11 +91,24 @@ def sampler_that_chooses(loader: Any, world_size: int = 1, rank: int = 0) -> str
         return None if length is not None and compat.length_of(sampler) == length else type(sampler).__name__
     if type(sampler) is DistributedSampler:
         own = (sampler.num_replicas, sampler.rank) == (world_size, rank) and compat.length_of(sampler.dataset) == length
+        if own and trims_across_ranks(sampler, length):  # its epochs leave samples out: its draws are grouped
+            return _TRIMS
         return None if own and length is not None else type(sampler).__name__
     if type(sampler) is RandomSampler:
         whole = length is not None and sampler.num_samples == length and compat.length_of(sampler.data_source) == length
         return None if not sampler.replacement and whole else "RandomSampler with replacement or num_samples"
     return type(sampler).__name__
+
+
+def draws_source(loader: Any, world_size: int = 1, rank: int = 0) -> Any:
+    """What one epoch's draws are read from when ``loader``'s sampler chooses (:func:`sampler_that_chooses`): its
+    sampler, or, for the run's own ``DistributedSampler`` that trims the epoch, all its ranks' draws as one
+    (:class:`~retune.buckets.drawn.EveryRankDraws`: rank zero's pass is then the whole epoch's, as the
+    bucketed sampler needs). None without a batch sampler's sampler."""
+    sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    if isinstance(sampler, DistributedSampler) and sampler_that_chooses(loader, world_size, rank) == _TRIMS:
+        return EveryRankDraws(sampler)
+    return sampler
 
 
 @dataclass(frozen=True)
@@ -321,9 +338,9 @@ class TrainBuckets:
         reason = why_not_reorderable(loader)
         if reason is None and sampler_that_chooses(loader, self._world_size, self._rank) is not None:
             # the sampler's own draws are bucketed each epoch (DrawnBucketBatchSampler), where they can be known
-            reason = why_draws_unknown(
-                loader.batch_sampler.sampler, self._world_size, sharded_by_lightning=self._shared_out
-            )
+            source = draws_source(loader, self._world_size, self._rank)
+            every_rank = isinstance(source, EveryRankDraws)  # the whole epoch's draws on every rank
+            reason = why_draws_unknown(source, self._world_size, sharded_by_lightning=self._shared_out or every_rank)
         return reason
 
     def prepare(self, loader: Any, say: Any, bounds: Sequence[int] | None = None) -> Buckets | None:
@@ -343,7 +360,7 @@ class TrainBuckets:
             candidates = candidate_indices(sampler, len(dataset))
             # why_not() let a choosing sampler through only with a __len__: its draws per epoch
             chooses = sampler_that_chooses(loader, self._world_size, self._rank) is not None
-            self.epoch_draws = len(sampler) if chooses else None
+            self.epoch_draws = len(draws_source(loader, self._world_size, self._rank)) if chooses else None
             if not candidates:
                 reason = "its sampler draws no samples"
             else:
@@ -390,11 +407,10 @@ class TrainBuckets:
         trainer = self._trainer
         epoch = int(trainer.current_epoch) if trainer is not None else 0
         if sampler_that_chooses(loader, self._world_size, self._rank) is not None:
-            user_sampler = getattr(loader.batch_sampler, "sampler", None)  # a plain BatchSampler's (why_not)
             drawn = DrawnBucketBatchSampler(  # it draws when Lightning first asks its length: for the epoch it sets
                 buckets,
                 sizes,
-                draws_from=user_sampler,
+                draws_from=draws_source(loader, self._world_size, self._rank),  # a plain BatchSampler's (why_not)
                 epoch=compat.sampler_epoch(trainer) if trainer is not None else epoch,
                 drop_last=bool(loader.drop_last),
                 start=compat.resumed_batches(trainer) if trainer is not None else 0,  # mid-epoch resume: continue
@@ -828,5 +844,6 @@ __all__ = [
     "TracedBuckets",
     "predicted_start",
     "TrainBuckets",
+    "draws_source",
     "sampler_that_chooses",
 ]

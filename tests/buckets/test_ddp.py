@@ -106,17 +106,27 @@ def test_throughput_ranks_agree_and_the_slowest_rank_decides_the_padded_work(tmp
 # -- a sampler that chooses what trains (issue 28, point 1, under DDP) ----------------------------------------------
 
 
+Ranks = tuple[list[dict[str, Any]], list[Any], list[Any]]
+
+
 @pytest.fixture(scope="module")
-def weighted_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
+def sampler_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ranks]:
+    """Both samplers' runs at once (each 2 ranks): a weighted sampler's, and the user's own DistributedSampler's."""
     script = Path(__file__).resolve().parents[1] / "ddp" / "run_ddp_buckets_sampler.py"
-    code, output, out = run_rank_scripts({"weighted": ["{out}"]}, script, tmp_path_factory.mktemp("ddp"), 240)[
-        "weighted"
-    ]
-    assert code == 0, output[-4000:]  # a hang is killed at 240 s and reported as TIMED OUT
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
-    draws = [json.loads((out / f"draws{r}.json").read_text()) for r in (0, 1)]
-    said = [json.loads((out / f"warnings{r}.json").read_text()) for r in (0, 1)]
-    return ranks, draws, said
+    runs = {"weighted": ["{out}"], "distributed": ["{out}", "distributed"]}
+    results: dict[str, Ranks] = {}
+    for name, (code, output, out) in run_rank_scripts(runs, script, tmp_path_factory.mktemp("ddp"), 240).items():
+        assert code == 0, f"{name}: {output[-4000:]}"  # a hang is killed at 240 s and reported as TIMED OUT
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+        draws = [json.loads((out / f"draws{r}.json").read_text()) for r in (0, 1)]
+        said = [json.loads((out / f"warnings{r}.json").read_text()) for r in (0, 1)]
+        results[name] = (ranks, draws, said)
+    return results
+
+
+@pytest.fixture(scope="module")
+def weighted_ranks(sampler_runs: dict[str, Ranks]) -> Ranks:
+    return sampler_runs["weighted"]
 
 
 def test_a_weighted_sampler_under_ddp_trains_exactly_its_draws_across_ranks_at_one_bucket_per_step(
@@ -151,3 +161,35 @@ def test_a_weighted_sampler_under_ddp_trains_exactly_its_draws_across_ranks_at_o
     assert all(max(r["peaks"]) <= budget for r in ranks), [max(r["peaks"]) / budget for r in ranks]
     # every rank reports the same samples per step (the whole epoch's draws over every rank's steps)
     assert [e["samples_per_step"] for e in ranks[0]["history"]] == [e["samples_per_step"] for e in ranks[1]["history"]]
+
+
+def test_the_users_own_distributed_sampler_with_drop_last_trains_exactly_the_samples_it_keeps(
+    sampler_runs: dict[str, Ranks],
+) -> None:
+    """Its epochs leave ``len(dataset) % ranks`` samples out (another one each epoch): buckets trained them too,
+    as if it drew every sample once. Now its draws across the ranks are grouped, and trained exactly once."""
+    from tests.ddp.run_ddp_buckets_sampler import N_ODD, make_distributed
+
+    ranks, draws, said = sampler_runs["distributed"]
+    assert not any("batching: fixed" in m for m in said[0]), said[0]  # bucketed, no fallback
+    data = bucket_data.IndexedTokens(bucket_data.long_tail_lengths(N_ODD))
+    assert ranks[0]["bucket_sizes"] == ranks[1]["bucket_sizes"] and len(set(ranks[0]["bucket_sizes"])) > 1
+    left_out = []
+    for epoch in range(2):
+        kept = []
+        for rank in (0, 1):  # what the user's own loaders draw on the two ranks, fresh copies
+            fresh = make_distributed(rank, data)
+            fresh.set_epoch(epoch)
+            kept += [int(i) for i in fresh]
+        assert len(kept) == len(set(kept)) == N_ODD - 1
+        left_out.append(set(range(N_ODD)) - set(kept))
+        steps = [[s for s in r["steps"] if s["epoch"] == epoch] for r in ranks]
+        assert len(steps[0]) == len(steps[1]) > 0
+        assert [s["bucket"] for s in steps[0]] == [s["bucket"] for s in steps[1]]
+        trained = Counter(i for rank in steps for s in rank for i in s["indices"])
+        assert trained == Counter(kept)  # each kept sample once; the one it leaves out never
+        assert draws[0][str(epoch)] == draws[1][str(epoch)]  # the same epoch on every rank
+        assert sorted(draws[0][str(epoch)]) == sorted(kept)
+    assert left_out[0] != left_out[1]  # shuffled with the epoch: another sample is left out
+    budget = parse_byte_size(bucket_data.BUDGET)
+    assert all(max(r["peaks"]) <= budget for r in ranks), [max(r["peaks"]) / budget for r in ranks]

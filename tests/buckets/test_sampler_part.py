@@ -243,3 +243,49 @@ def test_a_choosing_samplers_draws_cap_every_buckets_size() -> None:
     assert _uppers(buckets, 64, 1, draws=20) == [20, 3]
     assert _uppers(buckets, 64, 2, draws=20) == [10, 2]
     assert _uppers(buckets, 64, 1, draws=0) == [1, 1]
+
+
+# -- the run's own DistributedSampler(drop_last=True): its epoch across the ranks ------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_every_rank_draws_is_the_distributed_samplers_epoch_across_its_ranks(world: int, shuffle: bool) -> None:
+    from retune.buckets.drawn import EveryRankDraws, trims_across_ranks
+
+    for n in (10, 11, 13):
+        shares = [
+            DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle, seed=3, drop_last=True)
+            for r in range(world)
+        ]
+        every = EveryRankDraws(shares[1])
+        for epoch in (0, 1):
+            for share in shares:
+                share.set_epoch(epoch)
+            every.set_epoch(epoch)
+            drawn = list(every)
+            assert len(drawn) == len(every) == (n // world) * world
+            for r, share in enumerate(shares):  # rank r's own pass is the epoch's r-th of every `world` draws
+                assert drawn[r::world] == list(share)
+        assert trims_across_ranks(shares[0], n) == (n % world != 0)
+        assert shares[1].rank == 1  # the copies per rank left the sampler as it was
+
+
+def test_only_the_runs_own_distributed_sampler_that_trims_has_its_draws_bucketed() -> None:
+    from retune.buckets.drawn import EveryRankDraws
+    from retune.buckets.train_buckets import draws_source
+
+    odd, even = list(range(11)), list(range(10))
+
+    def loader(data: list[int], drop_last: bool) -> DataLoader[Any]:
+        return DataLoader(data, sampler=DistributedSampler(data, num_replicas=2, rank=1, drop_last=drop_last))
+
+    trims = loader(odd, True)
+    assert sampler_that_chooses(trims, 2, 1) == "DistributedSampler with drop_last=True"
+    assert isinstance(draws_source(trims, 2, 1), EveryRankDraws)
+    for kept in (loader(even, True), loader(odd, False)):  # drops nothing; pads instead (every sample trains)
+        assert sampler_that_chooses(kept, 2, 1) is None
+        assert draws_source(kept, 2, 1) is kept.batch_sampler.sampler  # type: ignore[union-attr]
+    # not the run's own sharding (one process): a shard of the data, its own draws as they are
+    assert sampler_that_chooses(trims, 1, 0) == "DistributedSampler"
+    assert draws_source(trims, 1, 0) is trims.batch_sampler.sampler  # type: ignore[union-attr]

@@ -1,8 +1,10 @@
-"""``search.batching: buckets`` over a ``WeightedRandomSampler`` under DDP on CPU (gloo, 2 processes).
+"""``search.batching: buckets`` over a sampler that chooses what trains, under DDP on CPU (gloo, 2 processes).
 
-Run by tests/buckets/test_ddp.py in a subprocess with a timeout. The user's loader has a
-``WeightedRandomSampler`` with its own seeded generator and an odd ``num_samples``; Lightning would wrap
-it in a ``DistributedSamplerWrapper``. Two epochs; each rank records every real batch (its samples'
+Run by tests/buckets/test_ddp.py in a subprocess with a timeout. ``weighted`` (the default): the user's
+loader has a ``WeightedRandomSampler`` with its own seeded generator and an odd ``num_samples``; Lightning
+would wrap it in a ``DistributedSamplerWrapper``. ``distributed``: the user's loader has its own shuffled
+``DistributedSampler(drop_last=True)`` over an odd number of samples (``N_ODD``), which leaves one sample
+out of every epoch (another one each epoch). Two epochs; each rank records every real batch (its samples'
 indices and the bucket it came from), the draws its bucketed sampler used, the warnings retune gave, and
 measures every real step as a probe is measured.
 """
@@ -18,7 +20,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
-from torch.utils.data import DataLoader, WeightedRandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, WeightedRandomSampler
 
 from retune import ScheduledBatchSizeFinder
 from tests.ddp import ddp_trainer
@@ -32,6 +34,7 @@ from tests.helpers.varlen import StepPeaks
 N = 200
 NUM_SAMPLES = 301  # odd: Lightning's DistributedSamplerWrapper would pad it to 302
 SEED = 11
+N_ODD = 201  # the distributed case: 2 ranks of 100, one sample trimmed per epoch
 
 
 def make_sampler() -> WeightedRandomSampler:
@@ -43,6 +46,16 @@ def make_sampler() -> WeightedRandomSampler:
 class WeightedModel(bucket_data.BucketModel):
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(self.data, batch_size=8, sampler=make_sampler(), collate_fn=bucket_data.pad_collate)
+
+
+def make_distributed(rank: int, data: Any) -> DistributedSampler[Any]:
+    return DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=SEED, drop_last=True)
+
+
+class OwnDistributedModel(bucket_data.BucketModel):
+    def train_dataloader(self) -> DataLoader[Any]:
+        sampler = make_distributed(self.trainer.global_rank, self.data)
+        return DataLoader(self.data, batch_size=8, sampler=sampler, collate_fn=bucket_data.pad_collate)
 
 
 class Draws(pl.Callback):  # type: ignore[misc,name-defined]
@@ -66,7 +79,13 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     pl.seed_everything(0)
-    model = WeightedModel(bucket_data.IndexedTokens(bucket_data.long_tail_lengths(N)))
+    distributed = len(sys.argv) > 2 and sys.argv[2] == "distributed"
+    if distributed:
+        model: bucket_data.BucketModel = OwnDistributedModel(
+            bucket_data.IndexedTokens(bucket_data.long_tail_lengths(N_ODD))
+        )
+    else:
+        model = WeightedModel(bucket_data.IndexedTokens(bucket_data.long_tail_lengths(N)))
     finder = ScheduledBatchSizeFinder(
         bucket_data.schedule(), sample_size=bucket_data.tokens, verbose=False, write_report=False
     )
