@@ -117,6 +117,11 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._serials: dict[int, int] = {}  # storage key -> the serial it was counted under (keys are reused)
         self._counted = 0
         self._stances: list[AbstractContextManager[Any]] = []
+        self.recording: list[tuple[Any, ...]] | None = None
+        """Where :meth:`record` was called: every storage counted from then on, as ``("+", serial, bytes, shape)``
+        (the shape of the tensor that made it), every one freed as ``("-", serial)``, and the marks a caller adds
+        (``retune.prediction.replay``: a trace replayed at other shapes); ``("!",)`` where a count changed
+        otherwise (:meth:`recount`), which a replay cannot follow."""
 
     def __enter__(self) -> CpuPeakTracker:
         # force_eager before the mode is pushed: see the module docstring (torch < 2.6 has no stances)
@@ -165,17 +170,29 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     if _device_type(t) == kind
                 }
             if key not in inputs:  # a view or an in-place result shares an input's storage: no new memory
-                self._track(storage, key)
+                self._track(storage, key, leaf.shape)
         if resized:
+            if self.recording is not None:
+                self.recording.append(("!",))
             for key in resized.keys() & self._live.keys():  # counted when created; its size is read from now on
                 self.live_bytes -= self._live.pop(key)
             self.peak_bytes = max(self.peak_bytes, self.live_bytes + sum(resized.values()))
         return out
 
-    def _track(self, storage: torch.UntypedStorage, key: int) -> None:
+    def record(self) -> None:
+        """From now on, keep the :attr:`recording`."""
+        self.recording = []
+
+    def _track(self, storage: torch.UntypedStorage, key: int, shape: Iterable[int] = ()) -> None:
         nbytes = storage.nbytes()
         if nbytes == 0:
             return
+        self.count(key, nbytes, shape)
+        weakref.finalize(storage, self._release, key)
+
+    def count(self, key: int, nbytes: int, shape: Iterable[int] = ()) -> None:
+        """Count ``nbytes`` of a new storage ``key`` as live (a tracked one, or a replayed one:
+        ``retune.prediction.replay``), until :meth:`release`."""
         self._live[key] = nbytes
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
@@ -183,7 +200,8 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._serials[key] = self._counted
         if self._log is not None:
             self._log.append((self._counted, nbytes, self.live_bytes))
-        weakref.finalize(storage, self._release, key)
+        if self.recording is not None:
+            self.recording.append(("+", self._counted, nbytes, tuple(int(d) for d in shape)))
 
     def adopt(self, tensors: Iterable[torch.Tensor]) -> int:
         """Count the storages of ``tensors``, made before the tracker started, as live from now until they are
@@ -194,7 +212,7 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for tensor in tensors:
             storage = local(tensor).untyped_storage()
             if storage._cdata not in self._live:
-                self._track(storage, storage._cdata)
+                self._track(storage, storage._cdata, tensor.shape)
         return self.live_bytes - before
 
     def log_new_storages(self) -> None:
@@ -223,13 +241,21 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         storage = tensor.untyped_storage()
         key = storage._cdata
         if key in self._live and storage.nbytes() == tensor.numel() * tensor.element_size():
+            if self.recording is not None:
+                self.recording.append(("!",))
             self.live_bytes -= self._live[key] - nbytes
             self._live[key] = nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _release(self, key: int) -> None:
+        self.release(key)
+
+    def release(self, key: int) -> None:
+        """Uncount storage ``key`` (freed), if it was counted."""
         self.live_bytes -= self._live.pop(key, 0)
-        self._serials.pop(key, None)
+        serial = self._serials.pop(key, None)
+        if self.recording is not None and serial is not None:
+            self.recording.append(("-", serial))
 
 
 @dataclasses.dataclass
@@ -513,6 +539,19 @@ def tensor_bytes(obj: Any) -> int:
     return sum(seen.values())
 
 
+def batch_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a (nested) batch, in the order :func:`tensor_bytes` walks it (any mapping, sequence or
+    dataclass, then registered pytrees); a tensor met twice is listed once per place.
+
+    Args:
+        obj: a batch: a tensor, or containers (mappings, sequences, dataclasses, pytrees) holding tensors.
+
+    >>> [t.shape[0] for t in batch_tensors({"ids": torch.ones(2, 3), "pair": (torch.ones(4), "name")})]
+    [2, 4]
+    """
+    return list(_batch_tensors(obj, set()))
+
+
 def _batch_tensors(obj: Any, visited: set[int]) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -632,6 +671,7 @@ __all__ = [
     "PeakReading",
     "PhaseMarks",
     "StepPhases",
+    "batch_tensors",
     "gradient_bytes",
     "device_total_bytes",
     "has_gradients",

@@ -21,7 +21,14 @@ from retune.buckets.train_buckets import BucketOutcome, PredictBuckets, TracedBu
 from retune.events import Trial
 from retune.search.batching import FixedSearch, Limits, Say, SearchJob, StageSearch
 from retune.search.largest import SearchPlan, SearchResult, apply_margin
-from retune.search.predict_run import PredictionRecord, Tracer, Untraceable, sample_to_trace, why_not_predict
+from retune.search.predict_run import (
+    REPLAY_TOLERANCE,
+    PredictionRecord,
+    Tracer,
+    Untraceable,
+    sample_to_trace,
+    why_not_predict,
+)
 
 
 class BucketBatching:
@@ -101,15 +108,19 @@ class BucketSearch:
         return _summary(outcome)
 
     def _predictor(self, job: SearchJob) -> PredictBuckets | None:
-        """``search.predict: auto``: trace the worst batches of the shortest, the middle and the longest bucket at
-        each one's cap, one step each (:class:`~retune.search.predict_run.Tracer`); every bucket's memory per
-        sample is the parabola in the length through the three (:func:`~retune.buckets.sizes.length_curve`). A
-        later search of the fit traces the shortest and the longest only and takes the middle from the last
-        traced curve plus the change the two show (:func:`~retune.buckets.sizes.shifted_curve`), and
-        its predicted size is the largest the traced line keeps within the limit; where other bounds would take
-        fewer steps at the predicted sizes, the search cuts the samples there (:meth:`TrainBuckets.search`). The
-        first trace's optimizer update is reused by the other two (forward and backward only: the state is the
-        same). None where it cannot predict (the event's note says why)."""
+        """``search.predict: auto``: trace the worst batches of the shortest and the longest bucket at each one's cap,
+        one step each (:class:`~retune.search.predict_run.Tracer`), and a middle bucket's; every bucket's memory per
+        sample is the parabola in the length through the three (:func:`~retune.buckets.sizes.length_curve`). The
+        first trace is made at a tag size and recorded (:mod:`retune.prediction.replay`): the fit's first search
+        replays it at the longest bucket's batch, and where that equals the longest's trace (within
+        ``REPLAY_TOLERANCE``) the middle is replayed instead of traced, and every later search of the fit traces
+        one bucket and replays the others (a step whose storages do not scale with its batch's dimensions fails
+        that check, and is traced as before: a later search then traces the two ends and takes the middle from
+        the last curve plus the change they show, :func:`~retune.buckets.sizes.shifted_curve`). Its predicted
+        size is the largest the traced line keeps within the limit; where other bounds would take fewer steps at
+        the predicted sizes, the search cuts the samples there (:meth:`TrainBuckets.search`). The first trace's
+        optimizer update is reused by the others (forward and backward only: the same state). None where it
+        cannot predict (the event's note says why)."""
         record, warn = self.prediction, job.warn_once or _say_nothing
         reason = why_not_predict(job.trainer, job.stage, self.limit)
         if reason is not None or self.limit is None:
@@ -120,38 +131,92 @@ class BucketSearch:
         def predict(
             buckets: Buckets, uppers: Sequence[int], arrange_of: Callable[[int], Any], before: TracedBuckets | None
         ) -> TracedBuckets | None:
+            from retune.prediction.replay import tag_size  # fake tensors: why_not_predict checked they import
+            from retune.prediction.trace import fixed_dims
+
             by_length = sorted(range(buckets.count), key=lambda b: (buckets.largest[b], b))
             ends, middle = sorted({by_length[0], by_length[-1]}), by_length[len(by_length) // 2]
             peaks: dict[int, float] = {}
             fixed = 0.0
             phase = None  # the first trace's optimizer update, reused by the others (the same state)
+            source = None  # the first trace, recorded: the others can be read from it (retune.prediction.replay)
+            batches: dict[int, Any] = {}
+            sharded = compat.is_sharded(job.trainer)  # a rank's account is traced (no replay)
+            check = self.buckets.replays is None and len(ends) == 2 and not sharded  # the fit's first: checked
+            replaying = self.buckets.replays is True and before is not None and not sharded
 
-            def trace(bucket: int) -> bool:
-                nonlocal fixed, phase
-                arrange = prober.arrange
-                prober.arrange = arrange_of(bucket)
-                tracer = Tracer(job.trainer, prober.pl_module, None, optimizer=phase)
-                try:
+            def tracer_for(bucket: int) -> Tracer:
+                tracer = Tracer(job.trainer, prober.pl_module, batches.get(bucket), optimizer=phase)
+                if tracer.batch is None:
+                    arrange = prober.arrange
+                    prober.arrange = arrange_of(bucket)
                     try:
-                        tracer.batch = sample_to_trace(job.trainer, prober, 2)
+                        tracer.batch = batches[bucket] = sample_to_trace(job.trainer, prober, 2)
                     finally:
                         prober.arrange = arrange
-                    peaks[bucket] = tracer(uppers[bucket])
+                return tracer
+
+            def trace(bucket: int, recorded: bool = False) -> bool:
+                nonlocal fixed, phase, source
+                tracer = None
+                try:
+                    tracer = tracer_for(bucket)
+                    tag = tag_size(tracer.batch, fixed_dims(prober.pl_module)) if recorded else None
+                    if tag is not None:  # traced at a size a replay tells apart, then read at the cap
+                        tracer.record = True
+                        tracer(tag)
+                        source = tracer.last
+                        value = None if source is None else tracer.replay(source, uppers[bucket])
+                        peaks[bucket] = tracer(uppers[bucket]) if value is None else value
+                        source = source if value is not None else None
+                    else:
+                        peaks[bucket] = tracer(uppers[bucket])
                     phase = tracer.optimizer
                 except Untraceable as error:
-                    record.seconds += tracer.seconds
+                    record.seconds += tracer.seconds if tracer is not None else 0.0
                     record.fell_back(error.reason, warn)
                     return False
                 record.seconds += tracer.seconds
                 fixed = tracer.fixed or 0.0
                 return True
 
-            for bucket in ends:
-                if not trace(bucket):
+            def replayed(bucket: int) -> float | None:
+                """The bucket's prediction read from the first trace (None: it cannot be)."""
+                if source is None:
+                    return None
+                try:
+                    tracer = tracer_for(bucket)
+                except Untraceable:
+                    return None
+                value = tracer.replay(source, uppers[bucket])
+                record.seconds += tracer.seconds
+                return value
+
+            if not trace(ends[0], recorded=check or replaying):
+                return None
+            for bucket in (*ends[1:], middle) if replaying else ():
+                value = replayed(bucket)
+                if value is not None:
+                    peaks[bucket] = value
+            for bucket in ends[1:]:
+                if bucket not in peaks and not trace(bucket):
                     return None
 
             def points() -> tuple[tuple[int, float], ...]:
                 return tuple((buckets.largest[b], max(0.0, (peaks[b] - fixed) / uppers[b])) for b in sorted(peaks))
+
+            if check:  # the fit's first predicted search: does a replay of its first trace give the other end's trace?
+                other = ends[-1]
+                value = replayed(other)
+                self.buckets.replays = (
+                    value is not None and abs(value - peaks[other]) <= REPLAY_TOLERANCE * peaks[other]
+                )
+                if self.buckets.replays and middle not in peaks:
+                    value = replayed(middle)
+                    if value is not None:
+                        peaks[middle] = value
+                elif not self.buckets.replays and source is not None and not trace(ends[0]):
+                    return None  # its own prediction was read at its cap from the tag size: traced there instead
 
             curve = None
             if before is not None and middle not in peaks and len(ends) == 2:

@@ -249,6 +249,10 @@ class TrainBuckets:
         """The loader ``train_dataloader()`` last returned to Lightning (what :meth:`data_change` checks)."""
         self.traced: TracedBuckets | None = None
         """The last predicted search's traces in this fit: a later one traces two lengths, not three."""
+        self.replays: bool | None = None
+        """Whether this fit's first predicted search found a replay of its first trace at the other traced buckets
+        equal to their traces (:mod:`retune.prediction.replay`): later searches then trace one bucket and replay
+        the others. None: not checked yet."""
         self.epoch_draws: int | None = None
         """Draws per epoch of the user's sampler when it chooses what trains (None: every sample once): no
         step can hold more, so no bucket's size is searched above it (:func:`_uppers`)."""
@@ -269,6 +273,7 @@ class TrainBuckets:
         self._world_size = int(getattr(trainer, "world_size", 1) or 1)
         self._rank = int(getattr(trainer, "global_rank", 0) or 0)
         self._shared_out = compat.shares_out_samplers(trainer)
+        self.traced, self.replays = None, None  # a fit's own: another fit may train another model
         self.hook.install(trainer)
 
     def uninstall(self) -> None:

@@ -129,6 +129,9 @@ class TraceMemo:
         self.capacity = capacity
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self.hits = 0
+        self.replays: bool | None = None
+        """Whether a replay of a recorded trace of this module's step equalled a trace at another size in this
+        fit (:class:`retune.search.predict_run.Replaying`); None: not checked yet."""
 
     def get(self, key: Hashable) -> Any:
         if key in self._entries:

@@ -54,10 +54,11 @@ tracker runs it in a probe (its compiler stance), so it is predicted as the eage
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -73,7 +74,15 @@ from retune.compat.fake_trace import logging_silenced, optimizers_replaced
 from retune.compat.stage_steps import hooks_isolated, step_marks, training_step
 from retune.compat.state import get_accumulation
 from retune.distributed.fsdp2 import hooks_removed
-from retune.memory import CpuPeakTracker, StepPhases, gradient_bytes, has_optimizer_state, resident_bytes, tensor_bytes
+from retune.memory import (
+    CpuPeakTracker,
+    StepPhases,
+    batch_tensors,
+    gradient_bytes,
+    has_optimizer_state,
+    resident_bytes,
+    tensor_bytes,
+)
 from retune.prediction.fake_batch import fake_batch
 from retune.prediction.fake_state import fake_training_state, swapped_in
 from retune.probing.attributes import attributes_kept
@@ -103,6 +112,21 @@ class OptimizerPhase:
     need_bytes: int | None = None
     """Its peak above that start beyond the state it created (:meth:`retune.memory.CpuPeakTracker.own_need`): what
     the same update needs once the state exists (None: not measured; ``extra_bytes`` stands for it)."""
+
+
+@dataclass(frozen=True)
+class Recording:
+    """A traced step's storages in the order it made and freed them, with the shape of each, and the marks of its
+    phases (the tracker's ``recording``: :class:`retune.memory.CpuPeakTracker`); what a replay at another batch
+    needs besides."""
+
+    events: tuple[tuple[Any, ...], ...]
+    batch_shapes: tuple[tuple[tuple[int, ...], int], ...]
+    """The fake batch's tensors, in pytree order: each one's shape and bytes."""
+    fixed_dims: frozenset[int]
+    """Every dimension of the module's parameters and buffers: sizes that never grow with the batch."""
+    reuse: OptimizerPhase | None
+    """The update's phase the trace reused (None: it measured the update)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +168,9 @@ class StepTrace:
     """Gradient bytes alive when the step ended."""
     accumulating: bool = False
     """Traced for a run that accumulates gradients (:attr:`retune.memory.StepPhases.accumulating`)."""
+    recording: Recording | None = field(default=None, compare=False, repr=False)
+    """What the trace allocated and freed, in order, where it was asked to record (``trace_step(record=True)``):
+    :func:`retune.prediction.replay.replay` reads the same step at another batch from it, without tracing."""
 
     @property
     def steady_bytes(self) -> int:
@@ -211,6 +238,7 @@ def trace_step(
     compute_dtypes: Mapping[int, torch.dtype] | None = None,
     reduced_gradients: Mapping[int, int] | None = None,
     accumulating: bool = False,
+    record: bool = False,
 ) -> StepTrace | CannotPredict:
     """Trace ``steps`` calls of ``step`` on a fake ``batch`` of ``size`` samples; never raises.
 
@@ -226,7 +254,9 @@ def trace_step(
     (``id`` of a real parameter -> bytes: :func:`retune.distributed.fsdp2.gradient_shards`) counts each such
     gradient whole when backward makes it and at those bytes once it is accumulated: what an FSDP2 rank keeps
     of it after its reduce-scatter. ``accumulating``: the run accumulates gradients, so a window's later
-    micro-batches hold them through backward (:attr:`StepTrace.steady_bytes` counts them there).
+    micro-batches hold them through backward (:attr:`StepTrace.steady_bytes` counts them there). ``record`` keeps
+    the :attr:`StepTrace.recording` (none where a count changed other than by a new or a freed storage: the
+    reduced gradients above), for :func:`retune.prediction.replay.replay`.
     """
     started = time.perf_counter()
     count = steps if steps is not None else (1 if has_optimizer_state(optimizers) else 2)
@@ -247,6 +277,8 @@ def trace_step(
                 resident = resident_bytes(module, state.optimizers)
                 batch_bytes = tensor_bytes(fake)
                 with CpuPeakTracker(_device_type(module, device)) as tracker, _reduced(state, tracker, reduced):
+                    if record:
+                        tracker.record()
                     grads_before = tracker.adopt(p.grad for p in state.parameters.values() if p.grad is not None)
                     phases = _Phases(tracker, reuse)
                     for opt in state.optimizers:
@@ -256,37 +288,88 @@ def trace_step(
                             step(fake, state.optimizers)
                     grads_after = gradient_bytes(module)
                 created = max(0, resident_bytes(module, state.optimizers) - resident)
-            phase = phases.phase(created)
-            tail = tracker.peak_bytes  # after the last update (the whole step where none ran)
-            compute = resident + (phases.compute_peak if phases.updates else tail)
-            update = resident + max(phases.update_peak, phases.skipped_peak, tail) if phases.updates else 0
-            peak = max(compute, update)
-            if reuse is not None and phase is not None:
-                created = phase.created_bytes
+            recording = None
+            if record and tracker.recording is not None and ("!",) not in tracker.recording:
+                recording = Recording(
+                    tuple(tracker.recording),
+                    batch_shapes(fake),
+                    fixed_dims(module),
+                    reuse,
+                )
+            facts = _StepFacts(size, count, resident, created, batch_bytes, grads_before, grads_after, accumulating)
+            result = assemble(phases, tracker, facts, reuse, time.perf_counter() - started, recording)
     except Exception as error:  # every failure of the trace is a "cannot predict"
         return cannot_predict(error)
+    return result
+
+
+@dataclass(frozen=True)
+class _StepFacts:
+    """What a traced step's result holds besides its phases: the batch it was traced at and what does not
+    depend on it."""
+
+    size: int
+    count: int
+    resident: int
+    created: int
+    batch_bytes: int
+    grads_before: int
+    grads_after: int
+    accumulating: bool
+
+
+def assemble(
+    phases: _Phases,
+    tracker: CpuPeakTracker,
+    facts: _StepFacts,
+    reuse: OptimizerPhase | None,
+    seconds: float,
+    recording: Recording | None = None,
+) -> StepTrace:
+    """The :class:`StepTrace` of a step whose phases were measured on ``tracker`` (traced, or replayed)."""
+    resident, created = facts.resident, facts.created
+    phase = phases.phase(created)
+    tail = tracker.peak_bytes  # after the last update (the whole step where none ran)
+    compute = resident + (phases.compute_peak if phases.updates else tail)
+    update = resident + max(phases.update_peak, phases.skipped_peak, tail) if phases.updates else 0
+    peak = max(compute, update)
+    if reuse is not None and phase is not None:
+        created = phase.created_bytes
     update_start = resident + phases.update_start if phase is not None else 0
     forward = resident + phases.forward_peak if phases.forward_peak is not None else 0
     backward = resident + phases.backward_peak if forward and phases.updates else 0
-    seconds = time.perf_counter() - started
     return StepTrace(
-        size,
+        facts.size,
         peak,
         resident,
-        count,
+        facts.count,
         seconds,
         created,
-        batch_bytes,
+        facts.batch_bytes,
         phase,
         compute,
         update_start,
         forward,
         backward,
         update,
-        grads_before,
-        grads_after,
-        accumulating,
+        facts.grads_before,
+        facts.grads_after,
+        facts.accumulating,
+        recording,
     )
+
+
+def batch_shapes(batch: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """The shape and bytes of each of ``batch``'s tensors, in pytree order (:attr:`Recording.batch_shapes`)."""
+    return tuple((tuple(int(d) for d in tensor.shape), tensor_bytes(tensor)) for tensor in batch_tensors(batch))
+
+
+def fixed_dims(module: torch.nn.Module) -> frozenset[int]:
+    """Every dimension of ``module``'s parameters and buffers (:attr:`Recording.fixed_dims`)."""
+    dims: set[int] = set()
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        dims.update(int(d) for d in tensor.shape)
+    return frozenset(dims)
 
 
 @contextmanager
@@ -326,8 +409,15 @@ class _Phases:
         self.forward_peak: int | None = None  # the peak to zero_grad, where the step marks it (step_marks)
         self.backward_peak = 0  # from there to the update's start
         self.need: int | None = None  # a measured update's peak above its start beyond the state it created
+        self._start = 0  # the live bytes when the measured update running now started
+
+    def _mark(self, name: str) -> None:
+        """Note in the tracker's recording where this phase call came (a replay makes it at the same point)."""
+        if self.tracker.recording is not None:
+            self.tracker.recording.append(("@", name))
 
     def forward_done(self) -> None:
+        self._mark("forward_done")
         tracker = self.tracker
         self.forward_peak = max(self.forward_peak or 0, tracker.peak_bytes)
         self.compute_peak = max(self.compute_peak, tracker.peak_bytes)
@@ -336,39 +426,57 @@ class _Phases:
     def backward_done(self) -> None:
         """The update's start is where the optimizer's ``step`` runs it (after clipping): see :meth:`wrap`."""
 
+    def update_skipped(self) -> None:
+        """An update reused (``reuse``) starts here: accounted as it measured, not run."""
+        self._mark("update_skipped")
+        tracker = self.tracker
+        assert self.reuse is not None
+        start = tracker.live_bytes
+        self._started(start)
+        self.skipped_peak = max(self.skipped_peak, start + self.reuse.extra_bytes)
+        self.extra = self.reuse.extra_bytes
+        # as after a measured update: the peak from here is the step's tail, not forward and backward
+        # again (read as the update's peak, it made a skipped update as large as the whole step)
+        tracker.peak_bytes = tracker.live_bytes
+
+    def update_started(self) -> None:
+        """A measured update starts here (its own peak and the storages it makes are counted from now)."""
+        self._mark("update_started")
+        tracker = self.tracker
+        self._start = start = tracker.live_bytes
+        self._started(start)
+        tracker.peak_bytes = start  # the update's own peak, from here
+        tracker.log_new_storages()
+
+    def update_done(self) -> None:
+        """The measured update of :meth:`update_started` ended (or failed)."""
+        self._mark("update_done")
+        tracker, start = self.tracker, self._start
+        self.need = max(self.need or 0, tracker.own_need(start))
+        self.extra = max(self.extra or 0, tracker.peak_bytes - start)
+        self.update_peak = max(self.update_peak, tracker.peak_bytes)
+        tracker.peak_bytes = tracker.live_bytes  # a later step's forward and backward, from here
+
     def wrap(self, optimizer: torch.optim.Optimizer) -> None:
         original = optimizer.step
 
         def step(closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-            tracker = self.tracker
             loss = None
             if self.reuse is not None:
                 if closure is not None:
                     with torch.enable_grad():
                         loss = closure()
-                start = tracker.live_bytes
-                self._started(start)
-                self.skipped_peak = max(self.skipped_peak, start + self.reuse.extra_bytes)
-                self.extra = self.reuse.extra_bytes
-                # as after a measured update: the peak from here is the step's tail, not forward and backward
-                # again (read as the update's peak, it made a skipped update as large as the whole step)
-                tracker.peak_bytes = tracker.live_bytes
+                self.update_skipped()
                 return loss
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            start = tracker.live_bytes
-            self._started(start)
-            tracker.peak_bytes = start  # the update's own peak, from here
-            tracker.log_new_storages()
+            self.update_started()
             try:
                 done: Any = lambda: loss  # noqa: E731  # the closure already ran: the update sees its loss
                 original(done, **kwargs) if closure is not None else original(**kwargs)
             finally:
-                self.need = max(self.need or 0, tracker.own_need(start))
-                self.extra = max(self.extra or 0, tracker.peak_bytes - start)
-                self.update_peak = max(self.update_peak, tracker.peak_bytes)
-                tracker.peak_bytes = tracker.live_bytes  # a later step's forward and backward, from here
+                self.update_done()
             return loss
 
         optimizer.step = step  # type: ignore[method-assign]
@@ -424,6 +532,7 @@ def trace_training_step(
     optimizer: OptimizerPhase | None = None,
     compute_dtypes: Mapping[int, torch.dtype] | None = None,
     reduced_gradients: Mapping[int, int] | None = None,
+    record: bool = False,
 ) -> StepTrace | CannotPredict:
     """:func:`trace_step` of the run's own training step, as a probe runs it (see the module doc).
 
@@ -453,6 +562,7 @@ def trace_training_step(
         compute_dtypes,
         reduced_gradients,
         get_accumulation(trainer) > 1,
+        record,
     )
 
 

@@ -45,7 +45,9 @@ from retune.search.largest import SearchPlan
 from retune.search.predicted import PredictedResult, predict_largest, run_predicted_search
 
 __all__ = [
+    "REPLAY_TOLERANCE",
     "PredictionRecord",
+    "Replaying",
     "Tracer",
     "Untraceable",
     "predicted_search",
@@ -112,9 +114,35 @@ class Tracer:
     """The optimizer update the first trace measured (:class:`retune.prediction.trace.OptimizerPhase`): later
     traces of this search reuse it and run forward and backward only (the state is the same; only the batch
     differs). Share one between tracers of one search (several buckets) with ``Tracer(..., optimizer=...)``."""
+    record: bool = False
+    """Traces keep their recording (:attr:`retune.prediction.trace.StepTrace.recording`) in :attr:`last`, for
+    :meth:`replay`."""
+    last: Any = None
+    """The last trace this tracer made (:class:`retune.prediction.trace.StepTrace`), where it made one."""
+
+    def replay(self, source: Any, size: int) -> float | None:
+        """The agreed prediction at ``size`` on this tracer's batch read from ``source``, a recorded trace of the same
+        training state (:func:`retune.prediction.replay.replay`), without tracing; None on every rank where any
+        rank cannot replay it (the caller traces instead). Not under FSDP2, whose rank account is traced."""
+        from retune.prediction.replay import replay, target_shapes
+        from retune.prediction.trace import CannotPredict
+
+        started = time.perf_counter()
+        result: Any = CannotPredict("a sharded step's account is traced")
+        if not compat.is_sharded(self.trainer):
+            try:
+                batch = compat.batch_to_device(self.trainer, self.pl_module, self.batch, 0)
+                result = replay(source, target_shapes(batch, size), size)
+            except Exception as error:  # a batch the replay cannot read (its shapes): the caller traces
+                result = CannotPredict(f"the batch could not be read for a replay: {type(error).__name__}: {error}")
+        local = str(result) if isinstance(result, CannotPredict) else self._local(result, None, {})
+        self.seconds += time.perf_counter() - started
+        gathered = compat.all_gather_object(self.trainer, local)
+        if any(isinstance(value, str) for value in gathered):
+            return None
+        return self._agreed(local, size, gathered)
 
     def __call__(self, size: int) -> float:
-        from retune.prediction.sharded import rank_peak
         from retune.prediction.trace import CannotPredict, trace_training_step, trace_update
 
         started = time.perf_counter()
@@ -125,8 +153,9 @@ class Tracer:
         memo, key = self._memo_key(optimizers, size, sharded, dtypes)
         remembered = None if memo is None else memo.get(key)
         if remembered is not None:  # the same training state traced at this size before: the same prediction
-            kept, phase = remembered
+            kept, phase, trace = remembered
             self.optimizer = self.optimizer or phase
+            self.last = trace if trace is not None else self.last
             self.reused += 1
             self.seconds += time.perf_counter() - started
             return self._agreed(kept, size)
@@ -150,27 +179,36 @@ class Tracer:
                 optimizer=self.optimizer,
                 compute_dtypes=dtypes,
                 reduced_gradients=shards,
+                record=self.record,
             )
         self.seconds += time.perf_counter() - started
         self.traces += 1
         if isinstance(result, CannotPredict):
             local: tuple[float, tuple[float, ...], float] | str = str(result)
         else:
-            self.optimizer = result.optimizer
-            grads = sum(p.numel() * p.element_size() for p in self.pl_module.parameters() if p.requires_grad)
-            fixed = float(result.resident_bytes + result.created_bytes + grads)
-            # a probe's peak holds its batch: on a CPU the tracker's count plus the loader's batch, on a device the
-            # allocator's, after the batch moved there inside the measured block
-            peak = float(result.steady_bytes + result.batch_bytes)
-            parts = result.steady_parts
-            phases = tuple(float(part + result.batch_bytes) for part in parts) if parts is not None else ()
-            if account is not None:  # the trace held each gradient as the rank's shard from its reduce on
-                peak = rank_peak(result, account, sum(shards.values())) + result.batch_bytes
-                fixed, phases = float(account.fixed(result.created_bytes)), ()
-            local = (peak, phases, fixed)
-            if memo is not None:
-                memo.put(key, (local, self.optimizer))
+            self.optimizer, self.last = result.optimizer, result
+            local = self._local(result, account, shards)
+            if memo is not None:  # with its recording where it kept one: a replay from it needs no trace either
+                memo.put(key, (local, self.optimizer, result if result.recording is not None else None))
         return self._agreed(local, size)
+
+    def _local(
+        self, result: Any, account: ShardAccount | None, shards: dict[int, int]
+    ) -> tuple[float, tuple[float, ...], float]:
+        """This rank's ``(peak, phases, fixed)`` from a traced (or replayed) step."""
+        from retune.prediction.sharded import rank_peak
+
+        grads = sum(p.numel() * p.element_size() for p in self.pl_module.parameters() if p.requires_grad)
+        fixed = float(result.resident_bytes + result.created_bytes + grads)
+        # a probe's peak holds its batch: on a CPU the tracker's count plus the loader's batch, on a device the
+        # allocator's, after the batch moved there inside the measured block
+        peak = float(result.steady_bytes + result.batch_bytes)
+        parts = result.steady_parts
+        phases = tuple(float(part + result.batch_bytes) for part in parts) if parts is not None else ()
+        if account is not None:  # the trace held each gradient as the rank's shard from its reduce on
+            peak = rank_peak(result, account, sum(shards.values())) + result.batch_bytes
+            fixed, phases = float(account.fixed(result.created_bytes)), ()
+        return peak, phases, fixed
 
     def _memo_key(
         self, optimizers: list[Any], size: int, sharded: bool, dtypes: dict[int, Any]
@@ -185,11 +223,14 @@ class Tracer:
         except (Unkeyable, TypeError):  # TypeError: an unhashable module (its own walks and the memo need a hash)
             return None, None
 
-    def _agreed(self, local: tuple[float, tuple[float, ...], float] | str, size: int) -> float:
+    def _agreed(
+        self, local: tuple[float, tuple[float, ...], float] | str, size: int, gathered: list[Any] | None = None
+    ) -> float:
         """This rank's ``(peak, phases, fixed)`` at ``size`` (or why it cannot trace) agreed across ranks: the
         largest of each (phase by phase, where every rank has them); the peak is returned, the phases kept in
-        :attr:`phases`."""
-        gathered = compat.all_gather_object(self.trainer, local)
+        :attr:`phases`. ``gathered``: every rank's, where the caller gathered them already."""
+        if gathered is None:
+            gathered = compat.all_gather_object(self.trainer, local)
         reasons = [value for value in gathered if isinstance(value, str)]
         if reasons:
             raise Untraceable(reasons[0])
@@ -199,6 +240,72 @@ class Tracer:
         if parts and all(len(p) == len(parts[0]) and p for p in parts):
             self.phases[size] = tuple(max(column) for column in zip(*parts, strict=True))
         return max(peak for peak, _, _ in values)
+
+
+REPLAY_TOLERANCE = 0.01
+"""How far a replay of a recorded trace may be from a trace at the same size and batch for later searches of the
+fit to replay instead of trace (the replays measured: equal to the byte, MLP to GPT-2; a step whose storages do
+not scale with its batch's dimensions is off by far more)."""
+
+
+@dataclass
+class Replaying:
+    """``trace(size)`` for :func:`~retune.search.predicted.predict_largest` that traces once and reads the other
+    sizes from that trace's recording (:mod:`retune.prediction.replay`), where replays have matched traces in
+    this fit.
+
+    The first call traces at a tag size (:func:`~retune.prediction.replay.tag_size`), recorded, and replays it at
+    the size asked. In the fit's first search the second call also traces, and the replay is checked against
+    it: within :data:`REPLAY_TOLERANCE` every later search of the fit traces once and replays every size; else
+    none replays, and :attr:`replayed_unchecked` tells the caller that the first value was a replay that did not
+    hold (it predicts again from traces). ``state`` holds the fit's verdict (the module's
+    :class:`~retune.prediction.reuse.TraceMemo`); without one, or under FSDP2 (a rank's account is traced),
+    every call traces."""
+
+    tracer: Tracer
+    state: TraceMemo | None
+    source: Any = None
+    replayed_unchecked: bool = False
+
+    def __call__(self, size: int) -> float:
+        from retune.prediction.replay import tag_size
+        from retune.prediction.trace import fixed_dims
+
+        tracer, state = self.tracer, self.state
+        if state is None or state.replays is False or compat.is_sharded(tracer.trainer):
+            return tracer(size)
+        if self.source is None:
+            tag = tag_size(tracer.batch, fixed_dims(tracer.pl_module))
+            if tag is None:
+                return tracer(size)
+            tracer.record = True
+            try:
+                tracer(tag)
+            finally:
+                tracer.record = False
+            self.source = tracer.last if tracer.last is not None and tracer.last.recording is not None else None
+            value = None if self.source is None else tracer.replay(self.source, size)
+            if value is None:
+                self.source = None
+                return tracer(size)
+            self.replayed_unchecked = state.replays is None
+            return value
+        value = tracer.replay(self.source, size)
+        if state.replays is True and value is not None:
+            return value
+        traced = tracer(size)
+        if state.replays is None:  # the fit's first check
+            state.replays = value is not None and abs(value - traced) <= REPLAY_TOLERANCE * traced
+            self.replayed_unchecked = self.replayed_unchecked and not state.replays
+        return traced
+
+
+def _memo_of(module: Any) -> TraceMemo | None:
+    """``module``'s :class:`~retune.prediction.reuse.TraceMemo` (None: a module without a hash)."""
+    try:
+        return memo_for(module)
+    except TypeError:
+        return None
 
 
 def sample_to_trace(trainer: Any, prober: Prober, size: int) -> Any:
@@ -282,14 +389,25 @@ def predicted_search(
         return None
     tracer = Tracer(trainer, pl_module, batch, seconds=time.perf_counter() - started)
     try:
+        replaying = Replaying(tracer, _memo_of(pl_module))
         prediction = predict_largest(
-            tracer,
+            replaying,
             limit,
             upper=plan.upper,
             first=plan.upper,
             fixed=lambda: tracer.fixed,
             phases=lambda: tracer.phases,
         )
+        if replaying.replayed_unchecked:  # its first value was a replay that the fit's check did not confirm
+            tracer.phases.clear()
+            prediction = predict_largest(
+                tracer,
+                limit,
+                upper=plan.upper,
+                first=plan.upper,
+                fixed=lambda: tracer.fixed,
+                phases=lambda: tracer.phases,
+            )
     except Untraceable as error:
         record.seconds = tracer.seconds
         record.fell_back(error.reason, warn_once)

@@ -216,6 +216,49 @@ def test_a_re_tune_once_the_optimizer_state_exists_is_predicted_as_exactly_as_th
     assert errors and all(abs(e) <= 0.01 for e in errors), errors
 
 
+def _traced_fit(monkeypatch: Any, tolerance: float | None = None) -> tuple[list[list[int]], ScheduledBatchSizeFinder]:
+    """A fixed ``mode: model`` fit searched at fit start and epoch 1; the sizes traced in each search."""
+    import retune.search.predict_run as predict_run
+
+    if tolerance is not None:
+        monkeypatch.setattr(predict_run, "REPLAY_TOLERANCE", tolerance)
+    calls: list[list[int]] = []
+    original = predict_run.Tracer.__call__
+
+    def counted(self: Any, size: int) -> float:
+        calls[-1].append(size)
+        return original(self, size)
+
+    def searched(*args: Any, **kwargs: Any) -> Any:
+        calls.append([])
+        return predicted_search(*args, **kwargs)
+
+    predicted_search = predict_run.predicted_search
+    monkeypatch.setattr(predict_run.Tracer, "__call__", counted)
+    monkeypatch.setattr("retune.search.batching.predicted_search", searched)
+    schedule = _schedule("model", "auto")
+    schedule["triggers"] = [{"kind": "fit_start"}, {"kind": "epoch", "at": [1]}]
+    pl.seed_everything(0)
+    finder = _fit(schedule, WideMLP(), epochs=2)
+    assert finder is not None and [e.trigger for e in finder.history] == ["fit_start", "epoch"]
+    return calls, finder
+
+
+def test_a_fixed_re_tune_traces_once_and_replays_its_sizes_with_the_predictions_traces_give(monkeypatch: Any) -> None:
+    """The fit's first search traces at a tag size (recorded) and at the size its line points to, where the replay
+    is checked against the trace; the re-tune (the optimizer state exists now: another key) traces once and
+    replays every size, and predicts to the byte what a fit that traces every size predicts."""
+    calls, finder = _traced_fit(monkeypatch)
+    assert len(calls[0]) == 2 and calls[0][0] == 13 and calls[1] == [13]
+    traced_calls, traced = _traced_fit(monkeypatch, tolerance=-1.0)  # no replay ever matches: every size traced
+    # the first search predicts again from traces (its second size from the memo), the re-tune traces two sizes
+    assert len(set(traced_calls[0])) == 3 and len(traced_calls[1]) == 2, traced_calls
+    for ours, theirs in zip(finder.history, traced.history, strict=True):
+        assert ours.predicted_bytes == theirs.predicted_bytes
+        assert [(t.batch_size, t.fits) for t in ours.trials] == [(t.batch_size, t.fits) for t in theirs.trials]
+        assert ours.batch_size_after == theirs.batch_size_after
+
+
 def test_power_mode_with_prediction_ends_on_a_size_power_mode_would() -> None:
     """``mode: power`` keeps its sizes (``init_val`` doubled): a prediction verifies the largest size directly,
     and the size used is the largest power-mode size at or below it, as the search without predict finds."""
@@ -413,10 +456,8 @@ def test_an_oom_re_search_predicts_the_failed_bucket_below_its_failure() -> None
         assert sorted(i for b in batches for i in b) == list(range(n))
 
 
-def test_a_re_tune_traces_two_lengths_and_takes_the_middle_from_the_last_curve(monkeypatch: Any) -> None:
-    """The first predicted search traces the shortest, a middle and the longest bucket; a later one (after the
-    unfreeze) traces the shortest and the longest only and shifts the last curve by the change they show
-    (``shifted_curve``): its predictions of the buckets it did not trace stay within 10% of their probes."""
+def _counted_fit(monkeypatch: Any) -> tuple[list[int], Any]:
+    """A bucketed fit (unfrozen at epoch 1) with ``search.predict: auto``; the sizes every trace was made at."""
     from retune.search.predict_run import Tracer
     from tests.buckets.test_fit import _fit as bucket_fit
 
@@ -428,13 +469,62 @@ def test_a_re_tune_traces_two_lengths_and_takes_the_middle_from_the_last_curve(m
         return original(self, size)
 
     monkeypatch.setattr(Tracer, "__call__", counted)
-    history = bucket_fit(epochs=2, frozen=True, unfreeze_at=1, predict="auto")["finder"].history
-    assert [e.trigger for e in history] == ["fit_start", "trainable_params_changed"]
-    assert len(calls) == 3 + 2
-    retune = history[1]
+    finder = bucket_fit(epochs=2, frozen=True, unfreeze_at=1, predict="auto")["finder"]
+    assert [e.trigger for e in finder.history] == ["fit_start", "trainable_params_changed"]
+    return calls, finder
+
+
+def test_a_re_tune_traces_one_bucket_and_replays_the_others_once_replays_matched_the_traces(monkeypatch: Any) -> None:
+    """The first predicted search traces the shortest bucket (at a tag size) and the longest, checks that a replay
+    of the first trace gives the longest's trace, and replays the middle; a later one (after the unfreeze) traces
+    one bucket and reads the others from it (``retune.prediction.replay``): its predictions stay within 2% of the
+    probes that verify them."""
+    calls, finder = _counted_fit(monkeypatch)
+    assert finder._buckets.replays is True
+    assert len(calls) == 2 + 1 and calls[0] == calls[2] == 13  # the tag size: a prime no dimension holds
+    retune = finder.history[1]
+    assert retune.prediction == "predicted" and len(set(retune.trial_buckets)) == len(retune.bucket_sizes)
+    errors = [e for e in retune.prediction_errors if e is not None]
+    assert errors and max(abs(e) for e in errors) <= 0.02, errors
+
+
+def test_where_replays_did_not_match_a_re_tune_traces_two_lengths_and_shifts_the_last_curve(monkeypatch: Any) -> None:
+    """Without replays (here: a tolerance no replay meets), a later search traces the shortest and the longest
+    bucket and shifts the last curve by the change they show (``shifted_curve``): its predictions of the buckets
+    it did not trace stay within 10% of their probes."""
+    import retune.buckets.batching as batching
+
+    monkeypatch.setattr(batching, "REPLAY_TOLERANCE", -1.0)
+    calls, finder = _counted_fit(monkeypatch)
+    assert finder._buckets.replays is False
+    assert len(calls) == 4 + 2 and calls[0] == 13  # the first bucket traced again at its cap, not read from 13
+    retune = finder.history[1]
     assert retune.prediction == "predicted" and len(set(retune.trial_buckets)) == len(retune.bucket_sizes)
     errors = [e for e in retune.prediction_errors if e is not None]
     assert errors and max(abs(e) for e in errors) <= 0.10, errors
+
+
+def test_a_step_that_pads_inside_fails_the_replay_check_and_its_re_tune_traces_two_lengths() -> None:
+    """A step that pads its samples to a multiple of 32 inside ``training_step`` makes storages whose length is
+    not the batch's: replays of the first trace miss the other buckets' traces, so the fit keeps tracing (two
+    lengths at the re-tune) and every bucket is still verified by a probe."""
+    from tests.buckets.test_fit import _data, _finder
+    from tests.helpers import bucket_data
+    from tests.helpers.bucket_data import UnfreezeAt
+    from tests.helpers.lightning_ns import seed
+
+    class PadsInside(BucketModel):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            ids, labels, extra = batch
+            ids = F.pad(ids, (0, (-ids.shape[1]) % 32))
+            return super().training_step((ids, labels, extra), batch_idx)
+
+    seed(0)
+    finder = _finder(predict="auto")
+    bucket_data.trainer([UnfreezeAt(1), finder], epochs=2).fit(PadsInside(_data(), frozen=True))
+    assert finder._buckets.replays is False
+    assert [e.prediction for e in finder.history] == ["predicted", "predicted"]
+    assert all(bucket_data.unverified_buckets(e) == [] for e in finder.history)
 
 
 def test_the_margin_cuts_the_calibrated_lines_capacity() -> None:

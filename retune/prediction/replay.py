@@ -1,0 +1,205 @@
+"""A traced step read again at another batch, without tracing: every storage scaled by the dimensions it has.
+
+A trace (:func:`retune.prediction.trace.trace_step` with ``record=True``) keeps the order in which the step
+made and freed its storages, the shape of the tensor that made each, and where its phases began
+(:class:`~retune.prediction.trace.Recording`). Run again on a batch of another size, or another bucket's
+longer samples, the same step makes the same storages in the same order; only the dimensions that come from
+the batch change. So the step at the new batch is that recording with each storage's bytes scaled by its
+dimensions' change, and its phases replayed at the same points (the trace's own accounting,
+:func:`retune.prediction.trace.assemble`): the whole step's account at another batch in the time of a loop
+over its storages (about a millisecond for a small transformer, where a trace takes a quarter of a second).
+
+Which dimensions come from the batch is read from their sizes, so the traced batch is chosen to tell them
+apart (:func:`tag_size`):
+
+- **the batch dimension** is traced at a prime that divides no dimension of the module's parameters and
+  buffers nor any other dimension of the batch, so a dimension it divides holds the batch once per factor:
+  ``13 x 61`` tokens flattened, ``13 x 2`` heads (attention's ``batch x heads``);
+- **the samples' other dimensions** (a bucket's padded length, an image's height) change from the traced
+  batch to the target's, tensor by tensor: each traced size maps to the target's; a dimension one or two
+  away from such a size follows it (a shifted language-model target: ``length - 1``).
+
+Every other dimension is the model's own and stays. Where that reading is not sure — a traced sample size
+that is also a parameter's dimension, two target sizes for one traced size, a prime that divides the
+samples' sizes — the replay refuses (:class:`~retune.prediction.trace.CannotPredict`) and the caller
+traces. A step whose storages do not scale with its dimensions this way (padding to a multiple, a data
+structure sized other than by the batch) replays wrong; the caller checks replays against traces before
+it trusts them (:mod:`retune.buckets.batching`), and every size is verified by a real probe either way.
+
+Example (a linear layer's step, traced at 13 samples and read at 100):
+    >>> import torch
+    >>> from retune.prediction.trace import trace_step
+    >>> net = torch.nn.Linear(64, 32)
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> def step(batch, optimizers):
+    ...     net(batch).sum().backward()
+    ...     optimizers[0].step()
+    >>> traced = trace_step(net, [opt], torch.ones(4, 64), 13, step, steps=1, record=True)
+    >>> direct = trace_step(net, [opt], torch.ones(4, 64), 100, step, steps=1)
+    >>> replayed = replay(traced, target_shapes(torch.ones(4, 64), 100), 100)
+    >>> replayed.peak_bytes == direct.peak_bytes, replayed.size
+    (True, 100)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from retune.memory import CpuPeakTracker, batch_tensors
+from retune.prediction.trace import CannotPredict, StepTrace, _Phases, _StepFacts, assemble
+from retune.recovery.split import batch_length
+
+__all__ = ["Scaling", "replay", "scaling", "tag_size", "target_shapes"]
+
+_PRIMES = (13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97)
+_OFFSETS = (1, -1, 2, -2)
+
+
+def tag_size(batch: Any, fixed: Iterable[int]) -> int | None:
+    """The batch size to trace at so that a replay can tell the batch dimension apart: the first of a few primes
+    that divides none of ``fixed`` (the module's parameters' and buffers' dimensions) nor any of ``batch``'s
+    per-sample dimensions (None: every one does).
+
+    >>> import torch
+    >>> tag_size(torch.ones(2, 26), {64, 128}), tag_size(torch.ones(2, 13 * 17), {64})
+    (17, 19)
+    """
+    sizes = set(fixed) | {d for shape in _sample_dims(batch) for d in shape}
+    for prime in _PRIMES:
+        if not any(d % prime == 0 for d in sizes if d > 0):
+            return prime
+    return None
+
+
+def target_shapes(batch: Any, size: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes of ``batch``'s tensors in a batch of ``size`` samples, as :func:`~retune.prediction.fake_batch.
+    fake_batch` makes it (the leading dimension, where the batch's tensors share it, set to ``size``).
+
+    >>> import torch
+    >>> target_shapes({"ids": torch.ones(2, 7), "scale": torch.tensor(0.5)}, 5)
+    ((5, 7), ())
+    """
+    total = batch_length(batch)
+    return tuple(
+        (size, *(int(d) for d in t.shape[1:]))
+        if t.dim() > 0 and t.shape[0] == total
+        else tuple(int(d) for d in t.shape)
+        for t in batch_tensors(batch)
+    )
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How each traced dimension's size becomes the target's (see the module doc)."""
+
+    traced_size: int
+    size: int
+    lengths: Mapping[int, int]
+    """A traced per-sample size -> the target's."""
+    fixed: frozenset[int]
+
+    def dim(self, d: int) -> int:
+        """The target's size of a traced dimension of size ``d``.
+
+        >>> Scaling(13, 100, {61: 30}, frozenset({64})).dim(13 * 61), Scaling(13, 100, {61: 30}, frozenset()).dim(60)
+        (3000, 29)
+        """
+        if d <= 0:
+            return d
+        if d % self.traced_size == 0:
+            return self.size * self.dim(d // self.traced_size)
+        target = self.lengths.get(d)
+        if target is not None:
+            return target
+        if d not in self.fixed:
+            for offset in _OFFSETS:
+                near = self.lengths.get(d - offset)
+                if near is not None:
+                    return max(0, near + offset)
+        return d
+
+    def bytes(self, nbytes: int, shape: Sequence[int]) -> int:
+        """``nbytes`` of a storage made by a tensor of ``shape``, at the target."""
+        ratio = 1.0
+        for d in shape:
+            if d > 0:
+                ratio *= self.dim(d) / d
+        return round(nbytes * ratio)
+
+
+def scaling(
+    traced: Sequence[tuple[tuple[int, ...], int]],
+    target: Sequence[tuple[int, ...]],
+    traced_size: int,
+    size: int,
+    fixed: frozenset[int],
+) -> Scaling | str:
+    """The :class:`Scaling` from a traced batch (its tensors' shapes and bytes) to ``target``'s shapes, or why the
+    sizes cannot be told apart."""
+    if traced_size < 2:
+        return f"a batch traced at {traced_size} sample cannot tell the batch dimension apart"
+    if any(d % traced_size == 0 for d in fixed if d > 0):
+        return f"the batch was traced at {traced_size}, which divides a dimension of the module's parameters"
+    if len(traced) != len(target):
+        return "the batch to replay at holds other tensors than the traced one"
+    lengths: dict[int, int] = {}
+    for (shape, _), new in zip(traced, target, strict=True):
+        if len(shape) != len(new):
+            return f"a batch tensor of shape {list(new)} where the traced one was {list(shape)}"
+        per_sample = zip(shape[1:], new[1:], strict=True) if shape and shape[0] == traced_size else ()
+        for old, now in per_sample:
+            if old % traced_size == 0:
+                return f"a sample dimension of {old} is a multiple of the traced batch size {traced_size}"
+            if lengths.get(old, now) != now:
+                return f"a sample dimension of {old} becomes both {lengths[old]} and {now}"
+            if old != now:
+                if old in fixed:
+                    return f"a sample dimension of {old} is also a dimension of the module's parameters"
+                lengths[old] = now
+    return Scaling(traced_size, size, lengths, fixed)
+
+
+def replay(trace: StepTrace, target: Sequence[tuple[int, ...]], size: int) -> StepTrace | CannotPredict:
+    """``trace``'s step at a batch of ``target``'s shapes (:func:`target_shapes`) and ``size`` samples, read from
+    its :attr:`~retune.prediction.trace.StepTrace.recording` (see the module doc); never raises."""
+    started = time.perf_counter()
+    recording = trace.recording
+    if recording is None:
+        return CannotPredict("the trace kept no recording to replay")
+    scale = scaling(recording.batch_shapes, target, trace.size, size, recording.fixed_dims)
+    if isinstance(scale, str):
+        return CannotPredict(scale)
+    tracker = CpuPeakTracker()  # never entered: counted event by event
+    phases = _Phases(tracker, recording.reuse)
+    try:
+        for event in recording.events:
+            kind = event[0]
+            if kind == "+":
+                tracker.count(event[1], scale.bytes(event[2], event[3]))
+            elif kind == "-":
+                tracker.release(event[1])
+            elif kind == "@":
+                getattr(phases, event[1])()
+    except Exception as error:  # a recording this replay does not know how to read: trace instead
+        return CannotPredict(f"the recording could not be replayed: {type(error).__name__}: {error}")
+    batch_bytes = sum(scale.bytes(nbytes, shape) for shape, nbytes in recording.batch_shapes)
+    facts = _StepFacts(
+        size,
+        trace.steps,
+        trace.resident_bytes,
+        trace.created_bytes,
+        batch_bytes,
+        trace.grads_before,
+        trace.grads_after,
+        trace.accumulating,
+    )
+    return assemble(phases, tracker, facts, recording.reuse, time.perf_counter() - started)
+
+
+def _sample_dims(batch: Any) -> list[tuple[int, ...]]:
+    """Each per-sample tensor's dimensions after the batch dimension (see :func:`target_shapes`)."""
+    total = batch_length(batch)
+    return [tuple(int(d) for d in t.shape[1:]) for t in batch_tensors(batch) if t.dim() > 0 and t.shape[0] == total]
