@@ -550,8 +550,9 @@ def shifted_curve(
     ``a x + b x^2`` (what unfreezing layers adds: activations saved per token, and per pair of tokens where
     attention saves its scores; it is zero for an empty sample), and the point at ``middle`` is the old
     curve plus that change. A search after the first thus traces two lengths, not three (on the issue-29
-    BERT, within 2.3% of tracing the middle too). None when the two lengths are one, or the point would not
-    be positive (trace it instead).
+    BERT, within 2.3% of tracing the middle too), where the fit's replays did not match its traces (else it
+    traces one and replays the others: :mod:`retune.prediction.replay`). None when the two lengths are one, or
+    the point would not be positive (trace it instead).
 
     >>> old = [(10, 2.0 + 10), (20, 2.0 + 20), (40, 2.0 + 40)]         # frozen: a + x
     >>> new = [(10, 2.0 + 10 + 30 + 1), (40, 2.0 + 40 + 120 + 16)]       # unfrozen: + 3x + x^2 / 100

@@ -248,7 +248,8 @@ class TrainBuckets:
         self._source: Any = None
         """The loader ``train_dataloader()`` last returned to Lightning (what :meth:`data_change` checks)."""
         self.traced: TracedBuckets | None = None
-        """The last predicted search's traces in this fit: a later one traces two lengths, not three."""
+        """The last predicted search's traces in this fit: a later one traces one length and replays the others
+        (:attr:`replays`), or traces two and shifts this curve (:func:`~retune.buckets.sizes.shifted_curve`)."""
         self.replays: bool | None = None
         """Whether this fit's first predicted search found a replay of its first trace at the other traced buckets
         equal to their traces (:mod:`retune.prediction.replay`): later searches then trace one bucket and replay

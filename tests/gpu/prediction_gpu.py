@@ -20,6 +20,9 @@ Checked (exit status 1 when a check fails):
   accept +-10% against CUDA; what the trace cannot see is a constant: the cuBLAS workspace, allocator
   rounding to 512-byte blocks), and every size predicted its memory (no fallback);
 * calibrated on the two smaller sizes, it is within 3% of the allocated peak at the largest;
+* one trace recorded at a tag size and replayed at every size (``retune.prediction.replay``) is within 1% of
+  the trace at that size (on the CPU they are equal to the byte; on a GPU the fakes are CUDA tensors and the
+  kernels chosen are the device's);
 * the reserved peak is reported, not checked: fragmentation and the caching allocator's segment sizes are
   not modelled (the calibration and the probes' own reserved check handle them).
 
@@ -178,6 +181,8 @@ def compare(model: Model, sizes: tuple[int, ...], device: str) -> dict[str, Any]
     from retune.compat.stage_steps import hooks_isolated, training_step
     from retune.memory import measure_peak, tensor_bytes
     from retune.prediction import calibrate
+    from retune.prediction.replay import tag_size
+    from retune.prediction.trace import fixed_dims
     from retune.search.predict_run import Tracer
 
     rows: list[dict[str, Any]] = []
@@ -187,6 +192,16 @@ def compare(model: Model, sizes: tuple[int, ...], device: str) -> dict[str, Any]
             dev = m.device
             with hooks_isolated(trainer, m):  # the optimizer state exists from here: the steady state
                 training_step(trainer, m, [t.to(dev) for t in m.make(2)], 0)
+            # one recorded trace at a tag size, replayed at every size (retune.prediction.replay), on the device's fakes
+            recorded = Tracer(trainer, m, [t.to(dev) for t in m.make(2)], record=True)
+            tag = tag_size(recorded.batch, fixed_dims(m))
+            source = None
+            if tag is not None:
+                try:
+                    recorded(tag)
+                    source = recorded.last
+                except Exception:  # the traced rows below report why
+                    source = None
             for size in sizes:
                 tracer = Tracer(trainer, m, [t.to(dev) for t in m.make(2)])
                 try:
@@ -194,6 +209,7 @@ def compare(model: Model, sizes: tuple[int, ...], device: str) -> dict[str, Any]
                 except Exception as error:  # reported as a failed check
                     rows.append({"size": size, "cannot_predict": f"{type(error).__name__}: {error}"})
                     continue
+                replayed = None if source is None else Tracer(trainer, m, tracer.batch).replay(source, size)
                 host = m.make(size)
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
@@ -209,6 +225,7 @@ def compare(model: Model, sizes: tuple[int, ...], device: str) -> dict[str, Any]
                         "reserved": r.peak_reserved,
                         "trace_s": round(tracer.seconds, 3),
                         "predicted_phases": [int(b) for b in tracer.phases.get(size, ())],
+                        "replayed": None if replayed is None else int(replayed),
                     }
                 )
                 if dev.type == "cuda" and size == sizes[-1]:
@@ -277,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         raw = rows[-1]["error_allocated"]
         if abs(raw) > RAW_TOLERANCE:
             failures.append(f"{name}: raw error {raw:+.1%} at size {rows[-1]['size']} (allowed +-{RAW_TOLERANCE:.0%})")
+        off = [
+            r["size"]
+            for r in rows
+            if r.get("replayed") is None or abs(r["replayed"] - r["predicted"]) > r["predicted"] / 100
+        ]
+        if off:
+            failures.append(f"{name}: a replay of the recorded trace is not within 1% of the trace at sizes {off}")
         calibrated = got.get("calibrated_error_allocated")
         if calibrated is None or abs(calibrated) > CALIBRATED_TOLERANCE:
             failures.append(f"{name}: calibrated error {calibrated} (allowed +-{CALIBRATED_TOLERANCE:.0%})")
