@@ -20,9 +20,12 @@ apart (:func:`tag_size`):
   away from such a size follows it (a shifted language-model target: ``length - 1``).
 
 Every other dimension is the model's own and stays. Where that reading is not sure — a traced sample size
-that is also a parameter's dimension, two target sizes for one traced size, a prime that divides the
-samples' sizes — the replay refuses (:class:`~retune.prediction.trace.CannotPredict`) and the caller
-traces. A step whose storages do not scale with its dimensions this way (padding to a multiple, a data
+that is a size the model's own dimensions may take (a parameter's dimension or a divisor of one: 64 tokens
+where a hidden size of 128 is split into two heads of 64 would read the heads as tokens), two target sizes
+for one traced size, a prime that divides the samples' sizes — the replay refuses
+(:class:`~retune.prediction.trace.CannotPredict`), or :func:`tag_size` finds no size to record at, and the
+caller traces. Sizes one or two away from a traced sample size follow it only where they are not such a
+size either. A step whose storages do not scale with its dimensions this way (padding to a multiple, a data
 structure sized other than by the batch) replays wrong; the caller checks replays against traces before
 it trusts them (:mod:`retune.buckets.batching`), and every size is verified by a real probe either way.
 
@@ -43,6 +46,7 @@ Example (a linear layer's step, traced at 13 samples and read at 100):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,7 +56,7 @@ from retune.memory import CpuPeakTracker, batch_tensors
 from retune.prediction.trace import CannotPredict, StepTrace, _Phases, _StepFacts, assemble
 from retune.recovery.split import batch_length
 
-__all__ = ["Scaling", "replay", "scaling", "tag_size", "target_shapes"]
+__all__ = ["Scaling", "model_sizes", "replay", "scaling", "tag_size", "target_shapes"]
 
 _PRIMES = (13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97)
 _OFFSETS = (1, -1, 2, -2)
@@ -61,17 +65,42 @@ _OFFSETS = (1, -1, 2, -2)
 def tag_size(batch: Any, fixed: Iterable[int]) -> int | None:
     """The batch size to trace at so that a replay can tell the batch dimension apart: the first of a few primes
     that divides none of ``fixed`` (the module's parameters' and buffers' dimensions) nor any of ``batch``'s
-    per-sample dimensions (None: every one does).
+    per-sample dimensions. None where every one does, or where a per-sample size is not a parameter's dimension
+    but divides one (:func:`model_sizes`: 64 tokens with a hidden size of 128 split into two heads of 64): the
+    model's own activations may have that size too, and a replay would read them as the batch's.
 
     >>> import torch
     >>> tag_size(torch.ones(2, 26), {64, 128}), tag_size(torch.ones(2, 13 * 17), {64})
     (17, 19)
+    >>> tag_size(torch.ones(2, 64), {128}) is None
+    True
     """
-    sizes = set(fixed) | {d for shape in _sample_dims(batch) for d in shape}
+    fixed = set(fixed)
+    sample = {d for shape in _sample_dims(batch) for d in shape}
+    own = model_sizes(fixed)
+    if any(d in own and d not in fixed for d in sample):
+        return None  # a sample size the model's own activations may have too: a replay could not tell them apart
+    sizes = fixed | sample
     for prime in _PRIMES:
         if not any(d % prime == 0 for d in sizes if d > 0):
             return prime
     return None
+
+
+def model_sizes(fixed: Iterable[int]) -> frozenset[int]:
+    """Every size the model's own dimensions may take: each of ``fixed`` (its parameters' and buffers'
+    dimensions) and each of their divisors (a hidden size split into heads, a width halved).
+
+    >>> sorted(model_sizes({12, 7}))
+    [1, 2, 3, 4, 6, 7, 12]
+    """
+    sizes: set[int] = set()
+    for d in fixed:
+        if d > 0:
+            for x in range(1, math.isqrt(d) + 1):
+                if d % x == 0:
+                    sizes.update((x, d // x))
+    return frozenset(sizes)
 
 
 def target_shapes(batch: Any, size: int) -> tuple[tuple[int, ...], ...]:
@@ -100,6 +129,7 @@ class Scaling:
     lengths: Mapping[int, int]
     """A traced per-sample size -> the target's."""
     fixed: frozenset[int]
+    """The sizes the model's own dimensions may take (:func:`model_sizes`): never read as the batch's."""
 
     def dim(self, d: int) -> int:
         """The target's size of a traced dimension of size ``d``.
@@ -138,7 +168,8 @@ def scaling(
     fixed: frozenset[int],
 ) -> Scaling | str:
     """The :class:`Scaling` from a traced batch (its tensors' shapes and bytes) to ``target``'s shapes, or why the
-    sizes cannot be told apart."""
+    sizes cannot be told apart (``fixed``: the module's parameters' and buffers' dimensions)."""
+    own = model_sizes(fixed)
     if traced_size < 2:
         return f"a batch traced at {traced_size} sample cannot tell the batch dimension apart"
     if any(d % traced_size == 0 for d in fixed if d > 0):
@@ -156,10 +187,13 @@ def scaling(
             if lengths.get(old, now) != now:
                 return f"a sample dimension of {old} becomes both {lengths[old]} and {now}"
             if old != now:
-                if old in fixed:
-                    return f"a sample dimension of {old} is also a dimension of the module's parameters"
+                if old in own:
+                    return (
+                        f"a sample dimension of {old} is a size the model's own dimensions may take (one of its "
+                        "parameters' dimensions or a divisor of one: a hidden size split into heads)"
+                    )
                 lengths[old] = now
-    return Scaling(traced_size, size, lengths, fixed)
+    return Scaling(traced_size, size, lengths, own)
 
 
 def replay(trace: StepTrace, target: Sequence[tuple[int, ...]], size: int) -> StepTrace | CannotPredict:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retune.prediction.replay import Scaling, replay, scaling, tag_size, target_shapes
+from retune.prediction.replay import Scaling, model_sizes, replay, scaling, tag_size, target_shapes
 from retune.prediction.trace import CannotPredict, StepTrace, fixed_dims, trace_step
 from tests.helpers.prediction_models import SCENARIOS, PredictionModel
 
@@ -120,7 +120,8 @@ def test_a_recording_is_kept_only_when_asked_and_a_trace_without_one_cannot_be_r
     ("traced", "target", "size", "fixed", "says"),
     [
         ((((16, 64), 4096),), ((100, 64),), 16, frozenset({64, 32}), "divides a dimension"),
-        ((((13, 64), 3328),), ((100, 30),), 13, frozenset({64}), "also a dimension of the module's parameters"),
+        ((((13, 64), 3328),), ((100, 30),), 13, frozenset({64}), "a size the model's own dimensions may take"),
+        ((((13, 32), 1664),), ((100, 30),), 13, frozenset({64}), "a size the model's own dimensions may take"),
         ((((13, 61), 3172), ((13, 61), 3172)), ((100, 30), (100, 40)), 13, frozenset(), "becomes both"),
         ((((13, 26), 1352),), ((100, 30),), 13, frozenset(), "multiple of the traced batch size"),
         ((((13, 61), 3172),), ((100, 30), (100,)), 13, frozenset(), "other tensors"),
@@ -135,13 +136,23 @@ def test_a_replay_refuses_where_the_sizes_cannot_be_told_apart(
 
 
 def test_the_scaling_reads_flattened_batches_heads_and_shifted_lengths() -> None:
-    scale = Scaling(13, 100, {61: 30}, frozenset({64, 128}))
+    scale = Scaling(13, 100, {61: 30}, model_sizes({64, 128}))
     assert scale.dim(13) == 100 and scale.dim(61) == 30
     assert scale.dim(13 * 61) == 3000  # batch x length, flattened
     assert scale.dim(13 * 2) == 200  # batch x heads
     assert scale.dim(60) == 29 and scale.dim(62) == 31  # a shifted target, a prepended token
     assert scale.dim(64) == 64 and scale.dim(128) == 128  # the model's own
     assert scale.bytes(13 * 61 * 64 * 4, (13, 61, 64)) == 100 * 30 * 64 * 4
+    near_a_head = Scaling(13, 100, {65: 30}, model_sizes({128}))  # 64 is a head's size, not the length - 1
+    assert near_a_head.dim(64) == 64 and near_a_head.dim(66) == 31
+
+
+def test_no_tag_size_where_a_sample_size_may_be_the_models_own() -> None:
+    """64 tokens, hidden 128 in two heads of 64: attention's ``(batch, heads, tokens, 64)`` and its scores
+    ``(batch, heads, tokens, tokens)`` look alike, so nothing is recorded (the search traces instead)."""
+    assert tag_size(torch.ones(2, 64), {128, 30}) is None
+    assert tag_size(torch.ones(2, 61), {128, 30}) == 13
+    assert tag_size(torch.ones(2, 3, 32, 32), {16, 3, 10}) == 13  # channels are a parameter's dimension
 
 
 class PaddedToMultiple(nn.Module):
