@@ -131,9 +131,6 @@ class BucketSearch:
         def predict(
             buckets: Buckets, uppers: Sequence[int], arrange_of: Callable[[int], Any], before: TracedBuckets | None
         ) -> TracedBuckets | None:
-            from retune.prediction.replay import tag_size  # fake tensors: why_not_predict checked they import
-            from retune.prediction.trace import fixed_dims
-
             by_length = sorted(range(buckets.count), key=lambda b: (buckets.largest[b], b))
             ends, middle = sorted({by_length[0], by_length[-1]}), by_length[len(by_length) // 2]
             peaks: dict[int, float] = {}
@@ -161,14 +158,15 @@ class BucketSearch:
                 tracer = None
                 try:
                     tracer = tracer_for(bucket)
-                    tag = tag_size(tracer.batch, fixed_dims(prober.pl_module)) if recorded else None
+                    tag = tracer.tag_size() if recorded else None  # agreed: every rank records, or none
                     if tag is not None:  # traced at a size a replay tells apart, then read at the cap
                         tracer.record = True
                         tracer(tag)
-                        source = tracer.last
-                        value = None if source is None else tracer.replay(source, uppers[bucket])
+                        tracer.record = False
+                        recording = tracer.last if tracer.last is not None and tracer.last.recording else None
+                        value = tracer.replay(recording, uppers[bucket])  # every rank: one collective
                         peaks[bucket] = tracer(uppers[bucket]) if value is None else value
-                        source = source if value is not None else None
+                        source = recording if value is not None else None
                     else:
                         peaks[bucket] = tracer(uppers[bucket])
                     phase = tracer.optimizer

@@ -120,16 +120,34 @@ class Tracer:
     last: Any = None
     """The last trace this tracer made (:class:`retune.prediction.trace.StepTrace`), where it made one."""
 
+    def tag_size(self) -> int | None:
+        """The batch size to record a trace at (:func:`retune.prediction.replay.tag_size`), agreed across ranks
+        (one collective): None on every rank where any rank has none or the ranks' differ, and under FSDP2."""
+        from retune.prediction.replay import tag_size
+        from retune.prediction.trace import fixed_dims
+
+        local = None
+        if not compat.is_sharded(self.trainer):
+            try:
+                local = tag_size(self.batch, fixed_dims(self.pl_module))
+            except Exception:  # a batch whose sizes cannot be read: no recording, the search traces
+                local = None
+        gathered = compat.all_gather_object(self.trainer, local)
+        return local if local is not None and all(tag == local for tag in gathered) else None
+
     def replay(self, source: Any, size: int) -> float | None:
         """The agreed prediction at ``size`` on this tracer's batch read from ``source``, a recorded trace of the same
         training state (:func:`retune.prediction.replay.replay`), without tracing; None on every rank where any
-        rank cannot replay it (the caller traces instead). Not under FSDP2, whose rank account is traced."""
+        rank cannot replay it (the caller traces instead). Not under FSDP2, whose rank account is traced. Every
+        rank calls it, with or without a ``source`` (None: this rank has none), as it is one collective."""
         from retune.prediction.replay import replay, target_shapes
         from retune.prediction.trace import CannotPredict
 
         started = time.perf_counter()
         result: Any = CannotPredict("a sharded step's account is traced")
-        if not compat.is_sharded(self.trainer):
+        if source is None:
+            result = CannotPredict("no recorded trace to replay")
+        elif not compat.is_sharded(self.trainer):
             try:
                 batch = compat.batch_to_device(self.trainer, self.pl_module, self.batch, 0)
                 result = replay(source, target_shapes(batch, size), size)
@@ -266,16 +284,16 @@ class Replaying:
     state: TraceMemo | None
     source: Any = None
     replayed_unchecked: bool = False
+    tried: bool = False
 
     def __call__(self, size: int) -> float:
-        from retune.prediction.replay import tag_size
-        from retune.prediction.trace import fixed_dims
-
         tracer, state = self.tracer, self.state
+        # the same on every rank: the memo's verdict comes from agreed values, sharding is the run's
         if state is None or state.replays is False or compat.is_sharded(tracer.trainer):
             return tracer(size)
-        if self.source is None:
-            tag = tag_size(tracer.batch, fixed_dims(tracer.pl_module))
+        if self.source is None and not self.tried:
+            self.tried = True
+            tag = tracer.tag_size()  # agreed: every rank records, or none
             if tag is None:
                 return tracer(size)
             tracer.record = True
@@ -283,13 +301,15 @@ class Replaying:
                 tracer(tag)
             finally:
                 tracer.record = False
-            self.source = tracer.last if tracer.last is not None and tracer.last.recording is not None else None
-            value = None if self.source is None else tracer.replay(self.source, size)
+            recorded = tracer.last if tracer.last is not None and tracer.last.recording is not None else None
+            value = tracer.replay(recorded, size)  # every rank, with or without its recording: one collective
             if value is None:
-                self.source = None
                 return tracer(size)
+            self.source = recorded
             self.replayed_unchecked = state.replays is None
             return value
+        if self.source is None:
+            return tracer(size)
         value = tracer.replay(self.source, size)
         if state.replays is True and value is not None:
             return value

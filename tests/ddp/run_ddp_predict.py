@@ -10,6 +10,11 @@ Scenarios:
   fallback  rank 1's step has a data-dependent operator (``nonzero``): its trace cannot run, rank 0's can; both
             ranks fall back to real probes together
   off       the fallback scenario's model with ``predict: off`` (the sizes the fallback must find)
+  retune    the agree scenario searched again at epoch 1 (the optimizer state exists: new traces): the fit's
+            first search records a trace and checks its replay, the re-tune traces once and replays its sizes,
+            each rank its own recording, and the ranks agree (retune.prediction.replay)
+  tags      the retune scenario where rank 1's batches hold a per-sample size of 13 (the first tag size): the
+            ranks would record at different sizes, so neither records, both trace every size, nothing hangs
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from retune import ScheduledBatchSizeFinder
 from tests.ddp import ddp_trainer
@@ -38,12 +44,19 @@ class RankMLP(WideMLP):
         super().__init__(n=1024)
         self.scenario = scenario
 
+    def train_dataloader(self) -> DataLoader[Any]:
+        if self.scenario == "tags" and self.global_rank == 1:  # a per-sample size of 13 in rank 1's batches only
+            x, y = self.data.tensors
+            data = TensorDataset(x, y, torch.zeros(len(x), 13))
+            return DataLoader(data, batch_size=self.batch_size, shuffle=True)
+        return super().train_dataloader()
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
+        x, y = batch[0], batch[1]
         if self.global_rank == 1 and self.scenario in ("fallback", "off"):
             x = x * ((x > 0).nonzero().shape[0] / x.numel())  # an output shape that depends on the data
         loss = F.cross_entropy(self.net(x), y)
-        if self.global_rank == 1 and self.scenario == "agree":
+        if self.global_rank == 1 and self.scenario in ("agree", "retune", "tags"):
             wide = torch.relu(self.net[0](x).repeat(1, 4))  # kept for backward: more memory per sample
             loss = loss + 0.0 * wide.sum()
         return loss
@@ -59,9 +72,47 @@ class WriteResult(pl.Callback):  # type: ignore[misc,name-defined]
 
     def teardown(self, trainer: Any, model: Any, stage: str) -> None:
         event = self.finder.history[0]
+        later = [
+            {
+                "trials": [[t.batch_size, t.fits] for t in e.trials],
+                "predicted": e.predicted_bytes,
+                "size": e.batch_size_after,
+            }
+            for e in self.finder.history[1:]
+        ]
         write_rank_result(
-            self.out, trainer.global_rank, self.finder, predicted=event.predicted_bytes, note=event.note, seen=self.seen
+            self.out,
+            trainer.global_rank,
+            self.finder,
+            predicted=event.predicted_bytes,
+            note=event.note,
+            seen=self.seen,
+            later=later,
+            traced=TRACED,
         )
+
+
+TRACED: list[list[int]] = []
+"""The sizes this rank traced, search by search (each search's ``Tracer`` calls)."""
+
+
+def _count_traces() -> None:
+    import retune.search.predict_run as predict_run
+
+    call, search = predict_run.Tracer.__call__, predict_run.predicted_search
+
+    def counted(self: Any, size: int) -> float:
+        TRACED[-1].append(size)
+        return call(self, size)
+
+    def searched(*args: Any, **kwargs: Any) -> Any:
+        TRACED.append([])
+        return search(*args, **kwargs)
+
+    predict_run.Tracer.__call__ = counted  # type: ignore[method-assign]
+    import retune.search.batching as batching
+
+    batching.predicted_search = searched  # type: ignore[attr-defined]
 
 
 def main() -> None:
@@ -69,8 +120,13 @@ def main() -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
     schedule = _schedule("model", "off" if scenario == "off" else "auto")
+    epochs = 1
+    if scenario in ("retune", "tags"):
+        schedule["triggers"] = [{"kind": "fit_start"}, {"kind": "epoch", "at": [1]}]
+        epochs = 2
+        _count_traces()
     finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
-    trainer = ddp_trainer(callbacks=[finder, WriteResult(out, finder)], limit_train_batches=2)
+    trainer = ddp_trainer(callbacks=[finder, WriteResult(out, finder)], limit_train_batches=2, max_epochs=epochs)
     trainer.fit(RankMLP(scenario))
 
 

@@ -22,7 +22,7 @@ TIMEOUT_S = 240  # below the suite's per-test timeout (pyproject.toml): a hung s
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    scenarios = {scenario: [scenario, "{out}"] for scenario in ("agree", "fallback", "off")}
+    scenarios = {scenario: [scenario, "{out}"] for scenario in ("agree", "fallback", "off", "retune", "tags")}
     results: dict[str, Any] = {}
     for scenario, (code, output, out) in run_rank_scripts(
         scenarios, SCRIPT, tmp_path_factory.mktemp("ddp_predict"), TIMEOUT_S
@@ -56,3 +56,23 @@ def test_a_trace_that_fails_on_one_rank_falls_back_on_every_rank_without_a_hang(
     assert zero["predicted"] == one["predicted"] == []
     assert zero["trials"] == one["trials"] == off["trials"], "the sizes the search finds without predict"
     assert zero["batch_size"] == one["batch_size"] == off["batch_size"]
+
+
+def test_a_re_tune_under_ddp_traces_once_and_replays_with_the_ranks_agreeing(runs: dict[str, Any]) -> None:
+    """Each rank records its own trace at the same tag size and replays it; the ranks agree on every replayed
+    prediction (the larger rank's), take the same sizes, and the re-tune traces one size."""
+    zero, one = runs["retune"][0], runs["retune"][1]
+    assert zero["traced"] == one["traced"] and len(zero["traced"]) == 2, zero["traced"]
+    first, again = zero["traced"]
+    assert first[0] == 13 and len(first) == 2 and again == [13]  # the tag size, then one size checked; then once
+    assert zero["later"] == one["later"] and len(zero["later"]) == 1
+    assert zero["later"][0]["predicted"] and zero["later"][0]["size"] == zero["batch_size"] == one["batch_size"]
+    assert zero["trials"] == one["trials"] and zero["predicted"] == one["predicted"]
+
+
+def test_ranks_that_would_record_at_different_tag_sizes_record_nothing_and_do_not_hang(runs: dict[str, Any]) -> None:
+    zero, one = runs["tags"][0], runs["tags"][1]
+    assert zero["traced"] == one["traced"] and 13 not in zero["traced"][0], zero["traced"]
+    assert all(len(sizes) >= 2 for sizes in zero["traced"])  # every size traced, in both searches
+    assert zero["later"] == one["later"] and zero["prediction"] == one["prediction"] == "predicted"
+    assert zero["batch_size"] == one["batch_size"]
