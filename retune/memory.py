@@ -170,7 +170,7 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     if _device_type(t) == kind
                 }
             if key not in inputs:  # a view or an in-place result shares an input's storage: no new memory
-                self._track(storage, key, leaf.shape)
+                self._track(storage, key, local(leaf).shape)
         if resized:
             if self.recording is not None:
                 self.recording.append(("!",))
@@ -212,7 +212,7 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for tensor in tensors:
             storage = local(tensor).untyped_storage()
             if storage._cdata not in self._live:
-                self._track(storage, storage._cdata, tensor.shape)
+                self._track(storage, storage._cdata, local(tensor).shape)
         return self.live_bytes - before
 
     def log_new_storages(self) -> None:

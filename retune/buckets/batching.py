@@ -113,10 +113,11 @@ class BucketSearch:
         sample is the parabola in the length through the three (:func:`~retune.buckets.sizes.length_curve`). The
         first trace is made at a tag size and recorded (:mod:`retune.prediction.replay`): the fit's first search
         replays it at the longest bucket's batch, and where that equals the longest's trace (within
-        ``REPLAY_TOLERANCE``) the middle is replayed instead of traced, and every later search of the fit traces
-        one bucket and replays the others (a step whose storages do not scale with its batch's dimensions fails
-        that check, and is traced as before: a later search then traces the two ends and takes the middle from
-        the last curve plus the change they show, :func:`~retune.buckets.sizes.shifted_curve`). Its predicted
+        ``REPLAY_TOLERANCE``) the middle is replayed instead of traced, and every later predicted search of the
+        fit (after one that predicted) traces one bucket and replays the others (a step whose storages do not
+        scale with its batch's dimensions fails that check, and is traced as before: a later search then traces
+        the two ends and takes the middle from the last curve plus the change they show,
+        :func:`~retune.buckets.sizes.shifted_curve`). Its predicted
         size is the largest the traced line keeps within the limit; where other bounds would take fewer steps at
         the predicted sizes, the search cuts the samples there (:meth:`TrainBuckets.search`). The first trace's
         optimizer update is reused by the others (forward and backward only: the same state). None where it
@@ -163,7 +164,9 @@ class BucketSearch:
                         tracer.record = True
                         tracer(tag)
                         tracer.record = False
-                        recording = tracer.last if tracer.last is not None and tracer.last.recording else None
+                        recording = (
+                            tracer.last if tracer.last is not None and tracer.last.recording is not None else None
+                        )
                         value = tracer.replay(recording, uppers[bucket])  # every rank: one collective
                         peaks[bucket] = tracer(uppers[bucket]) if value is None else value
                         source = recording if value is not None else None
@@ -206,9 +209,8 @@ class BucketSearch:
             if check:  # the fit's first predicted search: does a replay of its first trace give the other end's trace?
                 other = ends[-1]
                 value = replayed(other)
-                self.buckets.replays = (
-                    value is not None and abs(value - peaks[other]) <= REPLAY_TOLERANCE * peaks[other]
-                )
+                if value is not None:  # compared: the verdict for the fit (not compared: a later search checks)
+                    self.buckets.replays = abs(value - peaks[other]) <= REPLAY_TOLERANCE * peaks[other]
                 if self.buckets.replays and middle not in peaks:
                     value = replayed(middle)
                     if value is not None:

@@ -15,9 +15,11 @@ apart (:func:`tag_size`):
 - **the batch dimension** is traced at a prime that divides no dimension of the module's parameters and
   buffers nor any other dimension of the batch, so a dimension it divides holds the batch once per factor:
   ``13 x 61`` tokens flattened, ``13 x 2`` heads (attention's ``batch x heads``);
-- **the samples' other dimensions** (a bucket's padded length, an image's height) change from the traced
-  batch to the target's, tensor by tensor: each traced size maps to the target's; a dimension one or two
-  away from such a size follows it (a shifted language-model target: ``length - 1``).
+- **the samples' other dimensions** (a bucket's padded length) change from the traced batch to the
+  target's, tensor by tensor: each traced size maps to the target's; a dimension one or two away from such a
+  size follows it (a shifted language-model target: ``length - 1``). A dimension derived otherwise (a pooled
+  or strided length, ``length // 2``; a concatenation, ``2 x length``) keeps its traced size: such a step
+  replays wrong, which the caller's check finds where it moves the prediction.
 
 Every other dimension is the model's own and stays. Where that reading is not sure — a traced sample size
 that is a size the model's own dimensions may take (a parameter's dimension or a divisor of one: 64 tokens
@@ -60,27 +62,33 @@ __all__ = ["Scaling", "model_sizes", "replay", "scaling", "tag_size", "target_sh
 
 _PRIMES = (13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97)
 _OFFSETS = (1, -1, 2, -2)
+_MARKS = frozenset({"forward_done", "update_skipped", "update_started", "update_done"})
+"""The phase calls a recording may hold (:class:`~retune.prediction.trace._Phases`)."""
 
 
-def tag_size(batch: Any, fixed: Iterable[int]) -> int | None:
+def tag_size(batch: Any, fixed: Iterable[int], lengths_change: bool = True) -> int | None:
     """The batch size to trace at so that a replay can tell the batch dimension apart: the first of a few primes
     that divides none of ``fixed`` (the module's parameters' and buffers' dimensions) nor any of ``batch``'s
-    per-sample dimensions. None where every one does, or where a per-sample size is not a parameter's dimension
-    but divides one (:func:`model_sizes`: 64 tokens with a hidden size of 128 split into two heads of 64): the
-    model's own activations may have that size too, and a replay would read them as the batch's.
+    per-sample dimensions, nor a size one or two away from one (a shifted target's ``length - 1``). None where
+    every one does, or, where the samples' sizes will change in the replays (``lengths_change``: other buckets),
+    where a per-sample size is not a parameter's dimension but divides one (:func:`model_sizes`: 64 tokens with
+    a hidden size of 128 split into two heads of 64): the model's own activations may have that size too, and a
+    replay would read them as the batch's.
 
     >>> import torch
     >>> tag_size(torch.ones(2, 26), {64, 128}), tag_size(torch.ones(2, 13 * 17), {64})
     (17, 19)
-    >>> tag_size(torch.ones(2, 64), {128}) is None
-    True
+    >>> tag_size(torch.ones(2, 53), {64})  # 52 = 4 x 13 and 51 = 3 x 17: a shifted target would read as batches
+    19
+    >>> tag_size(torch.ones(2, 64), {128}) is None, tag_size(torch.ones(2, 64), {128}, lengths_change=False)
+    (True, 17)
     """
     fixed = set(fixed)
     sample = {d for shape in _sample_dims(batch) for d in shape}
     own = model_sizes(fixed)
-    if any(d in own and d not in fixed for d in sample):
+    if lengths_change and any(d in own and d not in fixed for d in sample):
         return None  # a sample size the model's own activations may have too: a replay could not tell them apart
-    sizes = fixed | sample
+    sizes = fixed | {d + k for d in sample for k in (0, *_OFFSETS)}
     for prime in _PRIMES:
         if not any(d % prime == 0 for d in sizes if d > 0):
             return prime
@@ -130,6 +138,8 @@ class Scaling:
     """A traced per-sample size -> the target's."""
     fixed: frozenset[int]
     """The sizes the model's own dimensions may take (:func:`model_sizes`): never read as the batch's."""
+    stay: frozenset[int] = frozenset()
+    """Per-sample sizes the target keeps: never read as one or two away from a size that changes."""
 
     def dim(self, d: int) -> int:
         """The target's size of a traced dimension of size ``d``.
@@ -144,7 +154,7 @@ class Scaling:
         target = self.lengths.get(d)
         if target is not None:
             return target
-        if d not in self.fixed:
+        if d not in self.fixed and d not in self.stay:
             for offset in _OFFSETS:
                 near = self.lengths.get(d - offset)
                 if near is not None:
@@ -158,6 +168,22 @@ class Scaling:
             if d > 0:
                 ratio *= self.dim(d) / d
         return round(nbytes * ratio)
+
+    def ambiguity(self, shapes: Iterable[Sequence[int]]) -> str | None:
+        """Why a dimension among ``shapes`` (a recording's) cannot be read for sure, or None: one that is one or
+        two away from a sample size that changes and is also a size the model's own dimensions or the samples'
+        unchanged ones take (``length - 1`` of 41 tokens is 40, which divides a vocabulary of 1000)."""
+        for shape in shapes:
+            for d in shape:
+                if d in self.lengths or d <= 0 or (d not in self.fixed and d not in self.stay):
+                    continue
+                for offset in _OFFSETS:
+                    if d - offset in self.lengths:
+                        return (
+                            f"a dimension of {d} is {offset:+d} from the sample size {d - offset} and also a size the "
+                            "model's own dimensions (or the samples' unchanged ones) take: it cannot be told which"
+                        )
+        return None
 
 
 def scaling(
@@ -177,6 +203,7 @@ def scaling(
     if len(traced) != len(target):
         return "the batch to replay at holds other tensors than the traced one"
     lengths: dict[int, int] = {}
+    stay: set[int] = set()
     for (shape, _), new in zip(traced, target, strict=True):
         if len(shape) != len(new):
             return f"a batch tensor of shape {list(new)} where the traced one was {list(shape)}"
@@ -186,38 +213,50 @@ def scaling(
                 return f"a sample dimension of {old} is a multiple of the traced batch size {traced_size}"
             if lengths.get(old, now) != now:
                 return f"a sample dimension of {old} becomes both {lengths[old]} and {now}"
-            if old != now:
+            if old == now:
+                stay.add(old)
+            else:
                 if old in own:
                     return (
                         f"a sample dimension of {old} is a size the model's own dimensions may take (one of its "
                         "parameters' dimensions or a divisor of one: a hidden size split into heads)"
                     )
                 lengths[old] = now
-    return Scaling(traced_size, size, lengths, own)
+    if stay & lengths.keys():
+        both = sorted(stay & lengths.keys())[0]
+        return f"a sample dimension of {both} changes in one batch tensor and not in another"
+    return Scaling(traced_size, size, lengths, own, frozenset(stay))
 
 
 def replay(trace: StepTrace, target: Sequence[tuple[int, ...]], size: int) -> StepTrace | CannotPredict:
     """``trace``'s step at a batch of ``target``'s shapes (:func:`target_shapes`) and ``size`` samples, read from
     its :attr:`~retune.prediction.trace.StepTrace.recording` (see the module doc); never raises."""
     started = time.perf_counter()
-    recording = trace.recording
+    recording = getattr(trace, "recording", None)
     if recording is None:
         return CannotPredict("the trace kept no recording to replay")
-    scale = scaling(recording.batch_shapes, target, trace.size, size, recording.fixed_dims)
-    if isinstance(scale, str):
-        return CannotPredict(scale)
-    tracker = CpuPeakTracker()  # never entered: counted event by event
-    phases = _Phases(tracker, recording.reuse)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        return CannotPredict(f"a batch needs at least one sample, got size={size!r}")
     try:
+        scale = scaling(recording.batch_shapes, target, trace.size, size, recording.fixed_dims)
+        if isinstance(scale, str):
+            return CannotPredict(scale)
+        unsure = scale.ambiguity(event[3] for event in recording.events if event[0] == "+")
+        if unsure is not None:
+            return CannotPredict(unsure)
+        tracker = CpuPeakTracker()  # never entered: counted event by event
+        phases = _Phases(tracker, recording.reuse)
         for event in recording.events:
             kind = event[0]
             if kind == "+":
                 tracker.count(event[1], scale.bytes(event[2], event[3]))
             elif kind == "-":
                 tracker.release(event[1])
-            elif kind == "@":
+            elif kind == "@" and event[1] in _MARKS:
                 getattr(phases, event[1])()
-    except Exception as error:  # a recording this replay does not know how to read: trace instead
+            else:
+                return CannotPredict(f"the recording holds an event this replay does not know: {event!r}"[:200])
+    except Exception as error:  # a recording or a target this replay cannot read: trace instead
         return CannotPredict(f"the recording could not be replayed: {type(error).__name__}: {error}")
     batch_bytes = sum(scale.bytes(nbytes, shape) for shape, nbytes in recording.batch_shapes)
     facts = _StepFacts(

@@ -42,7 +42,7 @@ from retune.memory import resident_bytes
 from retune.prediction.reuse import TraceMemo, Unkeyable, memo_for, trace_key
 from retune.probing.prober import Prober
 from retune.search.largest import SearchPlan
-from retune.search.predicted import PredictedResult, predict_largest, run_predicted_search
+from retune.search.predicted import PredictedResult, Prediction, predict_largest, run_predicted_search
 
 __all__ = [
     "REPLAY_TOLERANCE",
@@ -120,16 +120,19 @@ class Tracer:
     last: Any = None
     """The last trace this tracer made (:class:`retune.prediction.trace.StepTrace`), where it made one."""
 
-    def tag_size(self) -> int | None:
-        """The batch size to record a trace at (:func:`retune.prediction.replay.tag_size`), agreed across ranks
-        (one collective): None on every rank where any rank has none or the ranks' differ, and under FSDP2."""
+    def tag_size(self, lengths_change: bool = True) -> int | None:
+        """The batch size to record a trace at (:func:`retune.prediction.replay.tag_size`, of the batch as the trace
+        sees it: after the transfer hooks), agreed across ranks (one collective): None on every rank where any rank
+        has none or the ranks' differ, and under FSDP2. ``lengths_change``: the replays will be at other samples'
+        sizes (other buckets), not only other batch sizes."""
         from retune.prediction.replay import tag_size
         from retune.prediction.trace import fixed_dims
 
         local = None
         if not compat.is_sharded(self.trainer):
             try:
-                local = tag_size(self.batch, fixed_dims(self.pl_module))
+                batch = compat.batch_to_device(self.trainer, self.pl_module, self.batch, 0)
+                local = tag_size(batch, fixed_dims(self.pl_module), lengths_change)
             except Exception:  # a batch whose sizes cannot be read: no recording, the search traces
                 local = None
         gathered = compat.all_gather_object(self.trainer, local)
@@ -293,7 +296,7 @@ class Replaying:
             return tracer(size)
         if self.source is None and not self.tried:
             self.tried = True
-            tag = tracer.tag_size()  # agreed: every rank records, or none
+            tag = tracer.tag_size(lengths_change=False)  # agreed: every rank records, or none; one batch shape
             if tag is None:
                 return tracer(size)
             tracer.record = True
@@ -408,26 +411,18 @@ def predicted_search(
         record.fell_back(error.reason, warn_once)
         return None
     tracer = Tracer(trainer, pl_module, batch, seconds=time.perf_counter() - started)
+
+    def predict(trace: Callable[[int], float]) -> Prediction:
+        return predict_largest(
+            trace, limit, upper=plan.upper, first=plan.upper, fixed=lambda: tracer.fixed, phases=lambda: tracer.phases
+        )
+
     try:
         replaying = Replaying(tracer, _memo_of(pl_module))
-        prediction = predict_largest(
-            replaying,
-            limit,
-            upper=plan.upper,
-            first=plan.upper,
-            fixed=lambda: tracer.fixed,
-            phases=lambda: tracer.phases,
-        )
+        prediction = predict(replaying)
         if replaying.replayed_unchecked:  # its first value was a replay that the fit's check did not confirm
             tracer.phases.clear()
-            prediction = predict_largest(
-                tracer,
-                limit,
-                upper=plan.upper,
-                first=plan.upper,
-                fixed=lambda: tracer.fixed,
-                phases=lambda: tracer.phases,
-            )
+            prediction = predict(tracer)
     except Untraceable as error:
         record.seconds = tracer.seconds
         record.fell_back(error.reason, warn_once)

@@ -13,7 +13,7 @@ Scenarios:
   retune    the agree scenario searched again at epoch 1 (the optimizer state exists: new traces): the fit's
             first search records a trace and checks its replay, the re-tune traces once and replays its sizes,
             each rank its own recording, and the ranks agree (retune.prediction.replay)
-  tags      the retune scenario where rank 1's batches hold a per-sample size of 13 (the first tag size): the
+  tags      the retune scenario where rank 1's batches hold a per-sample size of 17 (rank 0's tag size): the
             ranks would record at different sizes, so neither records, both trace every size, nothing hangs
 """
 
@@ -45,9 +45,9 @@ class RankMLP(WideMLP):
         self.scenario = scenario
 
     def train_dataloader(self) -> DataLoader[Any]:
-        if self.scenario == "tags" and self.global_rank == 1:  # a per-sample size of 13 in rank 1's batches only
+        if self.scenario == "tags" and self.global_rank == 1:  # a per-sample size of 17 in rank 1's batches only
             x, y = self.data.tensors
-            data = TensorDataset(x, y, torch.zeros(len(x), 13))
+            data = TensorDataset(x, y, torch.zeros(len(x), 17))  # rank 0 would record at 17 (65 = 5 x 13)
             return DataLoader(data, batch_size=self.batch_size, shuffle=True)
         return super().train_dataloader()
 
