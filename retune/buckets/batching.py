@@ -159,19 +159,11 @@ class BucketSearch:
                 tracer = None
                 try:
                     tracer = tracer_for(bucket)
-                    tag = tracer.tag_size() if recorded else None  # agreed: every rank records, or none
-                    if tag is not None:  # traced at a size a replay tells apart, then read at the cap
-                        tracer.record = True
-                        tracer(tag)
-                        tracer.record = False
-                        recording = (
-                            tracer.last if tracer.last is not None and tracer.last.recording is not None else None
-                        )
-                        value = tracer.replay(recording, uppers[bucket])  # every rank: one collective
-                        peaks[bucket] = tracer(uppers[bucket]) if value is None else value
-                        source = recording if value is not None else None
-                    else:
-                        peaks[bucket] = tracer(uppers[bucket])
+                    # traced at a size a replay tells apart, then read at the cap (else traced at the cap)
+                    got = tracer.recorded_replay(uppers[bucket]) if recorded else None
+                    peaks[bucket] = tracer(uppers[bucket]) if got is None else got[0]
+                    if recorded:
+                        source = None if got is None else got[1]
                     phase = tracer.optimizer
                 except Untraceable as error:
                     record.seconds += tracer.seconds if tracer is not None else 0.0

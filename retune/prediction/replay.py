@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from retune.memory import CpuPeakTracker, batch_tensors
-from retune.prediction.trace import CannotPredict, StepTrace, _Phases, _StepFacts, assemble
+from retune.prediction.trace import CannotPredict, StepFacts, StepTrace, TracedPhases, assemble
 from retune.recovery.split import batch_length
 
 __all__ = ["Scaling", "model_sizes", "replay", "scaling", "tag_size", "target_shapes"]
@@ -63,7 +63,7 @@ __all__ = ["Scaling", "model_sizes", "replay", "scaling", "tag_size", "target_sh
 _PRIMES = (13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97)
 _OFFSETS = (1, -1, 2, -2)
 _MARKS = frozenset({"forward_done", "update_skipped", "update_started", "update_done"})
-"""The phase calls a recording may hold (:class:`~retune.prediction.trace._Phases`)."""
+"""The phase calls a recording may hold (:class:`~retune.prediction.trace.TracedPhases`)."""
 
 
 def tag_size(batch: Any, fixed: Iterable[int], lengths_change: bool = True) -> int | None:
@@ -245,7 +245,7 @@ def replay(trace: StepTrace, target: Sequence[tuple[int, ...]], size: int) -> St
         if unsure is not None:
             return CannotPredict(unsure)
         tracker = CpuPeakTracker()  # never entered: counted event by event
-        phases = _Phases(tracker, recording.reuse)
+        phases = TracedPhases(tracker, recording.reuse)
         for event in recording.events:
             kind = event[0]
             if kind == "+":
@@ -259,7 +259,7 @@ def replay(trace: StepTrace, target: Sequence[tuple[int, ...]], size: int) -> St
     except Exception as error:  # a recording or a target this replay cannot read: trace instead
         return CannotPredict(f"the recording could not be replayed: {type(error).__name__}: {error}")
     batch_bytes = sum(scale.bytes(nbytes, shape) for shape, nbytes in recording.batch_shapes)
-    facts = _StepFacts(
+    facts = StepFacts(
         size,
         trace.steps,
         trace.resident_bytes,

@@ -91,8 +91,12 @@ from retune.probing.sample_sizes import preserved_rng
 __all__ = [
     "CannotPredict",
     "OptimizerPhase",
+    "Recording",
+    "StepFacts",
     "StepFn",
     "StepTrace",
+    "TracedPhases",
+    "assemble",
     "trace_step",
     "trace_training_step",
     "trace_update",
@@ -280,7 +284,7 @@ def trace_step(
                     if record:
                         tracker.record()
                     grads_before = tracker.adopt(p.grad for p in state.parameters.values() if p.grad is not None)
-                    phases = _Phases(tracker, reuse)
+                    phases = TracedPhases(tracker, reuse)
                     for opt in state.optimizers:
                         phases.wrap(opt)
                     with step_marks(phases):
@@ -296,7 +300,7 @@ def trace_step(
                     fixed_dims(module),
                     reuse,
                 )
-            facts = _StepFacts(size, count, resident, created, batch_bytes, grads_before, grads_after, accumulating)
+            facts = StepFacts(size, count, resident, created, batch_bytes, grads_before, grads_after, accumulating)
             result = assemble(phases, tracker, facts, reuse, time.perf_counter() - started, recording)
     except Exception as error:  # every failure of the trace is a "cannot predict"
         return cannot_predict(error)
@@ -304,7 +308,7 @@ def trace_step(
 
 
 @dataclass(frozen=True)
-class _StepFacts:
+class StepFacts:
     """What a traced step's result holds besides its phases: the batch it was traced at and what does not
     depend on it."""
 
@@ -319,9 +323,9 @@ class _StepFacts:
 
 
 def assemble(
-    phases: _Phases,
+    phases: TracedPhases,
     tracker: CpuPeakTracker,
-    facts: _StepFacts,
+    facts: StepFacts,
     reuse: OptimizerPhase | None,
     seconds: float,
     recording: Recording | None = None,
@@ -393,8 +397,11 @@ def _reduced(state: Any, tracker: CpuPeakTracker, reduced: Mapping[str, int]) ->
             handle.remove()
 
 
-class _Phases:
-    """Each fake optimizer's ``step`` wrapped (an instance attribute on the clone): measures the update's peak
+class TracedPhases:
+    """The phases of a traced step, measured on its tracker, and the same accounting re-run by a replay
+    (:func:`retune.prediction.replay.replay` calls these methods where the recording marks them).
+
+    Each fake optimizer's ``step`` wrapped (an instance attribute on the clone): measures the update's peak
     above the live bytes at its start, or, with ``reuse``, runs only the closure and accounts the update as
     ``reuse`` measured it."""
 
@@ -499,7 +506,7 @@ def trace_update(
 ) -> OptimizerPhase | CannotPredict:
     """The optimizer update alone, traced: every trainable parameter's fake holds a fake gradient of its own
     shape and dtype (alive when an update starts), each optimizer's ``step()`` runs, and its peak above that
-    start and the state it created are the phase (what :class:`_Phases` measures inside a step). For a step
+    start and the state it created are the phase (what :class:`TracedPhases` measures inside a step). For a step
     traced in another dtype than its parameters are stored in (FSDP2's mixed precision), whose update runs on
     the stored parameters. An optimizer whose ``step`` needs a closure (L-BFGS) cannot be traced this way."""
     try:

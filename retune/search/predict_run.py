@@ -163,6 +163,23 @@ class Tracer:
             return None
         return self._agreed(local, size, gathered)
 
+    def recorded_replay(self, size: int, lengths_change: bool = True) -> tuple[float, Any] | None:
+        """The agreed prediction at ``size`` read from a trace this tracer records at an agreed tag size
+        (:meth:`tag_size`), with that trace (:class:`retune.prediction.trace.StepTrace`, whose recording later
+        sizes can be replayed from); None on every rank where no tag size is agreed or the replay is refused on
+        any rank: the caller traces ``size`` instead. Collective: every rank calls it."""
+        tag = self.tag_size(lengths_change)  # agreed: every rank records, or none
+        if tag is None:
+            return None
+        self.record = True
+        try:
+            self(tag)
+        finally:
+            self.record = False
+        recorded = self.last if self.last is not None and self.last.recording is not None else None
+        value = self.replay(recorded, size)  # every rank, with or without its recording: one collective
+        return None if value is None else (value, recorded)
+
     def __call__(self, size: int) -> float:
         from retune.prediction.trace import CannotPredict, trace_training_step, trace_update
 
@@ -296,29 +313,20 @@ class Replaying:
             return tracer(size)
         if self.source is None and not self.tried:
             self.tried = True
-            tag = tracer.tag_size(lengths_change=False)  # agreed: every rank records, or none; one batch shape
-            if tag is None:
+            got = tracer.recorded_replay(size, lengths_change=False)  # one batch shape
+            if got is None:
                 return tracer(size)
-            tracer.record = True
-            try:
-                tracer(tag)
-            finally:
-                tracer.record = False
-            recorded = tracer.last if tracer.last is not None and tracer.last.recording is not None else None
-            value = tracer.replay(recorded, size)  # every rank, with or without its recording: one collective
-            if value is None:
-                return tracer(size)
-            self.source = recorded
+            self.source = got[1]
             self.replayed_unchecked = state.replays is None
-            return value
+            return got[0]
         if self.source is None:
             return tracer(size)
-        value = tracer.replay(self.source, size)
-        if state.replays is True and value is not None:
-            return value
+        replayed = tracer.replay(self.source, size)
+        if state.replays is True and replayed is not None:
+            return replayed
         traced = tracer(size)
         if state.replays is None:  # the fit's first check
-            state.replays = value is not None and abs(value - traced) <= REPLAY_TOLERANCE * traced
+            state.replays = replayed is not None and abs(replayed - traced) <= REPLAY_TOLERANCE * traced
             self.replayed_unchecked = self.replayed_unchecked and not state.replays
         return traced
 

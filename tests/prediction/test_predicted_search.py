@@ -506,6 +506,71 @@ def test_where_replays_did_not_match_a_re_tune_traces_two_lengths_and_shifts_the
     assert errors and max(abs(e) for e in errors) <= 0.10, errors
 
 
+def test_a_check_that_compared_nothing_leaves_the_verdict_to_the_next_search(monkeypatch: Any) -> None:
+    """Where the fit's first search cannot compare a replay with the longest bucket's trace (the replay is refused:
+    here every second call), nothing is decided: the first search takes no replayed value it did not check (the
+    shortest traced again at its cap, the middle traced), and the re-tune checks instead of giving replays up
+    (a verdict of "no match" would have it trace the two ends at their caps, never at a tag size)."""
+    from retune.search.predict_run import Tracer
+    from tests.helpers import bucket_data
+
+    original = Tracer.replay
+    replays: list[bool] = []
+
+    def refused_once(self: Tracer, source: Any, size: int) -> float | None:
+        replays.append(True)
+        return None if len(replays) == 2 else original(self, source, size)  # the first search's check
+
+    monkeypatch.setattr(Tracer, "replay", refused_once)
+    calls, finder = _counted_fit(monkeypatch)
+    assert finder._buckets.replays is True  # decided at the re-tune, by its own check
+    first, retune = calls[:4], calls[4:]
+    assert first[0] in _PRIMES and len(first) == 4  # tag, longest, shortest at its cap, middle: nothing read
+    assert len(retune) == 2 and retune[0] in _PRIMES  # tag (checked against the longest's trace), longest
+    assert all(bucket_data.unverified_buckets(e) == [] for e in finder.history)
+
+
+class _Read(Exception):
+    """Ends a fit once the test has read what it needs."""
+
+
+class _TrimmedInTransfer(pl.LightningModule):  # type: ignore[misc,name-defined]
+    """A batch of 20 features that ``on_after_batch_transfer`` cuts to 13: not a dimension of the model's
+    parameters (4, 26) but a divisor of one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 26)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return batch[:, :13]
+
+
+def test_the_tag_size_is_read_from_the_batch_the_step_gets_after_the_transfer_hooks() -> None:
+    """The loader's batch (20 features) would record at 17; the step's (13, a divisor of the model's 26) may be the
+    model's own size, so no size is recorded at and the search traces."""
+    from retune.prediction.replay import tag_size
+    from retune.prediction.trace import fixed_dims
+    from retune.search.predict_run import Tracer
+
+    model = _TrimmedInTransfer()
+    raw = torch.ones(4, 20)
+    seen: list[int | None] = []
+
+    class Read(pl.Callback):  # type: ignore[misc,name-defined]
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            seen.append(Tracer(trainer, pl_module, raw).tag_size())
+            raise _Read  # nothing else of the fit is needed
+
+    model.training_step = lambda batch, batch_idx: model.net(batch[:, :4]).sum()  # type: ignore[method-assign]
+    model.train_dataloader = lambda: DataLoader(TensorDataset(raw), batch_size=2)  # type: ignore[method-assign]
+    model.configure_optimizers = lambda: torch.optim.SGD(model.parameters(), lr=0.1)  # type: ignore[method-assign]
+    assert tag_size(raw, fixed_dims(model)) == 17  # the loader's batch, read before the hooks
+    with pytest.raises(_Read):
+        quiet_trainer([Read()], 1, limit_train_batches=1).fit(model)
+    assert seen == [None]
+
+
 def test_a_step_that_pads_inside_fails_the_replay_check_and_its_re_tune_traces_two_lengths() -> None:
     """A step that pads its samples to a multiple of 32 inside ``training_step`` makes storages whose length is
     not the batch's: replays of the first trace miss the other buckets' traces, so the fit keeps tracing (two
