@@ -21,7 +21,12 @@ apart (:func:`tag_size`):
   or strided length, ``length // 2``; a concatenation, ``2 x length``) keeps its traced size: such a step
   replays wrong, which the caller's check finds where it moves the prediction.
 
-Every other dimension is the model's own and stays. Where that reading is not sure — a traced sample size
+Every other dimension is the model's own and stays. A size the model's activations have and its parameters
+do not (a concatenation's ``2 x hidden``) cannot be told, in one recording, from a sample size one or two away
+from it; a recording at another length shows it as what it is, one that neither the batch nor the samples
+explain (:func:`activation_sizes`). The caller keeps those of its recordings (the fit's
+:class:`~retune.prediction.reuse.TraceMemo`) and passes them to every later replay and tag size (``seen``):
+they count as the model's own. Where that reading is not sure — a traced sample size
 that is a size the model's own dimensions may take (a parameter's dimension or a divisor of one: 64 tokens
 where a hidden size of 128 is split into two heads of 64 would read the heads as tokens), two target sizes
 for one traced size, a prime that divides the samples' sizes — the replay refuses
@@ -58,7 +63,7 @@ from retune.memory import CpuPeakTracker, batch_tensors
 from retune.prediction.trace import CannotPredict, StepFacts, StepTrace, TracedPhases, assemble
 from retune.recovery.split import batch_length
 
-__all__ = ["Scaling", "model_sizes", "replay", "scaling", "tag_size", "target_shapes"]
+__all__ = ["Scaling", "activation_sizes", "model_sizes", "replay", "scaling", "tag_size", "target_shapes"]
 
 _PRIMES = (13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97)
 _OFFSETS = (1, -1, 2, -2)
@@ -66,7 +71,7 @@ _MARKS = frozenset({"forward_done", "update_skipped", "update_started", "update_
 """The phase calls a recording may hold (:class:`~retune.prediction.trace.TracedPhases`)."""
 
 
-def tag_size(batch: Any, fixed: Iterable[int], lengths_change: bool = True) -> int | None:
+def tag_size(batch: Any, fixed: Iterable[int], lengths_change: bool = True, seen: Iterable[int] = ()) -> int | None:
     """The batch size to trace at so that a replay can tell the batch dimension apart: the first of a few primes
     that divides none of ``fixed`` (the module's parameters' and buffers' dimensions) nor any of ``batch``'s
     per-sample dimensions, nor a size one or two away from one (a shifted target's ``length - 1``). None where
@@ -82,13 +87,16 @@ def tag_size(batch: Any, fixed: Iterable[int], lengths_change: bool = True) -> i
     19
     >>> tag_size(torch.ones(2, 64), {128}) is None, tag_size(torch.ones(2, 64), {128}, lengths_change=False)
     (True, 17)
+
+    ``seen``: the model's activations' sizes that earlier recordings showed (:func:`activation_sizes`), taken as
+    its own.
     """
-    fixed = set(fixed)
+    fixed, seen = set(fixed), set(seen)
     sample = {d for shape in _sample_dims(batch) for d in shape}
-    own = model_sizes(fixed)
+    own = model_sizes(fixed) | seen
     if lengths_change and any(d in own and d not in fixed for d in sample):
         return None  # a sample size the model's own activations may have too: a replay could not tell them apart
-    sizes = fixed | {d + k for d in sample for k in (0, *_OFFSETS)}
+    sizes = fixed | seen | {d + k for d in sample for k in (0, *_OFFSETS)}
     for prime in _PRIMES:
         if not any(d % prime == 0 for d in sizes if d > 0):
             return prime
@@ -109,6 +117,40 @@ def model_sizes(fixed: Iterable[int]) -> frozenset[int]:
                 if d % x == 0:
                     sizes.update((x, d // x))
     return frozenset(sizes)
+
+
+def activation_sizes(trace: StepTrace) -> frozenset[int]:
+    """The sizes of the dimensions of ``trace``'s recorded storages that nothing else explains: not a multiple of
+    the traced batch size, not a traced sample size nor one or two away from one, not a size the parameters'
+    and buffers' dimensions take (:func:`model_sizes`); empty without a recording. They are the model's own
+    activations' sizes (a concatenation's ``2 x hidden``), which a later recording at a sample size one or two
+    away from one of them would read as that sample size's: :func:`replay` and :func:`tag_size` take them as the
+    model's (``seen``).
+
+    >>> import torch
+    >>> from retune.prediction.trace import trace_step
+    >>> net = torch.nn.Linear(32, 12)
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> def step(batch, optimizers):  # a width of 2 x 12 that no parameter has
+    ...     torch.cat([net(batch), net(batch)], -1).sum().backward()
+    ...     optimizers[0].step()
+    >>> sorted(activation_sizes(trace_step(net, [opt], torch.ones(4, 32), 13, step, steps=1, record=True)))
+    [24]
+    """
+    recording = trace.recording
+    if recording is None:
+        return frozenset()
+    explained = set(model_sizes(recording.fixed_dims))
+    for shape, _ in recording.batch_shapes:
+        if shape and shape[0] == trace.size:
+            explained.update(d + k for d in shape[1:] for k in (0, *_OFFSETS))
+    return frozenset(
+        d
+        for event in recording.events
+        if event[0] == "+"
+        for d in event[3]
+        if d > 1 and d % trace.size != 0 and d not in explained
+    )
 
 
 def target_shapes(batch: Any, size: int) -> tuple[tuple[int, ...], ...]:
@@ -192,14 +234,17 @@ def scaling(
     traced_size: int,
     size: int,
     fixed: frozenset[int],
+    seen: frozenset[int] = frozenset(),
 ) -> Scaling | str:
     """The :class:`Scaling` from a traced batch (its tensors' shapes and bytes) to ``target``'s shapes, or why the
-    sizes cannot be told apart (``fixed``: the module's parameters' and buffers' dimensions)."""
-    own = model_sizes(fixed)
+    sizes cannot be told apart (``fixed``: the module's parameters' and buffers' dimensions; ``seen``: its
+    activations' sizes that other recordings showed, :func:`activation_sizes`, taken as they are, without their
+    divisors)."""
+    own = model_sizes(fixed) | seen
     if traced_size < 2:
         return f"a batch traced at {traced_size} sample cannot tell the batch dimension apart"
-    if any(d % traced_size == 0 for d in fixed if d > 0):
-        return f"the batch was traced at {traced_size}, which divides a dimension of the module's parameters"
+    if any(d % traced_size == 0 for d in fixed | seen if d > 0):
+        return f"the batch was traced at {traced_size}, which divides a dimension of the module's own"
     if len(traced) != len(target):
         return "the batch to replay at holds other tensors than the traced one"
     lengths: dict[int, int] = {}
@@ -228,9 +273,13 @@ def scaling(
     return Scaling(traced_size, size, lengths, own, frozenset(stay))
 
 
-def replay(trace: StepTrace, target: Sequence[tuple[int, ...]], size: int) -> StepTrace | CannotPredict:
+def replay(
+    trace: StepTrace, target: Sequence[tuple[int, ...]], size: int, seen: Iterable[int] = ()
+) -> StepTrace | CannotPredict:
     """``trace``'s step at a batch of ``target``'s shapes (:func:`target_shapes`) and ``size`` samples, read from
-    its :attr:`~retune.prediction.trace.StepTrace.recording` (see the module doc); never raises."""
+    its :attr:`~retune.prediction.trace.StepTrace.recording` (see the module doc); never raises. ``seen``: the
+    model's activations' sizes that other recordings showed (:func:`activation_sizes`), taken as its own (a
+    dimension one or two from a traced sample size that is one of them refuses the replay)."""
     started = time.perf_counter()
     recording = getattr(trace, "recording", None)
     if recording is None:
@@ -238,7 +287,8 @@ def replay(trace: StepTrace, target: Sequence[tuple[int, ...]], size: int) -> St
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         return CannotPredict(f"a batch needs at least one sample, got size={size!r}")
     try:
-        scale = scaling(recording.batch_shapes, target, trace.size, size, recording.fixed_dims)
+        sizes = frozenset(int(d) for d in seen if int(d) > 0)
+        scale = scaling(recording.batch_shapes, target, trace.size, size, recording.fixed_dims, sizes)
         if isinstance(scale, str):
             return CannotPredict(scale)
         unsure = scale.ambiguity(event[3] for event in recording.events if event[0] == "+")

@@ -132,6 +132,10 @@ class TraceMemo:
         self.replays: bool | None = None
         """Whether a replay of a recorded trace of this module's step equalled a trace at another size in this
         fit (:class:`retune.search.predict_run.Replaying`); None: not checked yet."""
+        self.activation_sizes: set[int] = set()
+        """The sizes of the model's own activations that this fit's recorded traces showed
+        (:func:`retune.prediction.replay.activation_sizes`): every later replay and tag size takes them as the
+        model's."""
 
     def get(self, key: Hashable) -> Any:
         if key in self._entries:

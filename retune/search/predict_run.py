@@ -132,7 +132,7 @@ class Tracer:
         if not compat.is_sharded(self.trainer):
             try:
                 batch = compat.batch_to_device(self.trainer, self.pl_module, self.batch, 0)
-                local = tag_size(batch, fixed_dims(self.pl_module), lengths_change)
+                local = tag_size(batch, fixed_dims(self.pl_module), lengths_change, self._activation_sizes())
             except Exception:  # a batch whose sizes cannot be read: no recording, the search traces
                 local = None
         gathered = compat.all_gather_object(self.trainer, local)
@@ -153,7 +153,7 @@ class Tracer:
         elif not compat.is_sharded(self.trainer):
             try:
                 batch = compat.batch_to_device(self.trainer, self.pl_module, self.batch, 0)
-                result = replay(source, target_shapes(batch, size), size)
+                result = replay(source, target_shapes(batch, size), size, self._activation_sizes())
             except Exception as error:  # a batch the replay cannot read (its shapes): the caller traces
                 result = CannotPredict(f"the batch could not be read for a replay: {type(error).__name__}: {error}")
         local = str(result) if isinstance(result, CannotPredict) else self._local(result, None, {})
@@ -226,9 +226,26 @@ class Tracer:
         else:
             self.optimizer, self.last = result.optimizer, result
             local = self._local(result, account, shards)
+            if result.recording is not None:
+                self._saw(result)
             if memo is not None:  # with its recording where it kept one: a replay from it needs no trace either
                 memo.put(key, (local, self.optimizer, result if result.recording is not None else None))
         return self._agreed(local, size)
+
+    def _activation_sizes(self) -> frozenset[int]:
+        """The sizes of the model's activations that this fit's recordings showed (see :meth:`_saw`)."""
+        memo = _memo_of(self.pl_module)
+        return frozenset(memo.activation_sizes) if memo is not None else frozenset()
+
+    def _saw(self, result: Any) -> None:
+        """Keep the sizes of the model's own activations that ``result``'s recording shows, for the fit's later
+        replays and tag sizes: a recording at another sample size cannot tell such a size from a length one or
+        two away from it (:func:`retune.prediction.replay.activation_sizes`)."""
+        from retune.prediction.replay import activation_sizes
+
+        memo = _memo_of(self.pl_module)
+        if memo is not None:
+            memo.activation_sizes.update(activation_sizes(result))
 
     def _local(
         self, result: Any, account: ShardAccount | None, shards: dict[int, int]

@@ -571,6 +571,59 @@ def test_the_tag_size_is_read_from_the_batch_the_step_gets_after_the_transfer_ho
     assert seen == [None]
 
 
+class _DoubledTokens(pl.LightningModule):  # type: ignore[misc,name-defined]
+    """``tests/prediction/test_replay.Doubled`` as a LightningModule: a width of 64 no parameter has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.prediction.test_replay import Doubled
+
+        self.net = Doubled()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net.loss(batch[0])
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(TensorDataset(torch.zeros(8, 20, dtype=torch.long)), batch_size=2)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _replayed_at_100_tokens(earlier: bool) -> float | None:
+    """A fit's recording at 63 tokens read at 100 tokens, after one at 20 tokens where ``earlier``."""
+    from retune.prediction.reuse import forget
+    from retune.search.predict_run import Tracer
+
+    model = _DoubledTokens()
+    got: list[float | None] = []
+
+    def tokens(length: int) -> list[torch.Tensor]:
+        return [torch.zeros(2, length, dtype=torch.long)]
+
+    class Read(pl.Callback):  # type: ignore[misc,name-defined]
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            forget(pl_module)  # as the finder does at a fit's start
+            if earlier:
+                assert Tracer(trainer, pl_module, tokens(20)).recorded_replay(8) is not None
+            recorded = Tracer(trainer, pl_module, tokens(63)).recorded_replay(8)
+            assert recorded is not None
+            got.append(Tracer(trainer, pl_module, tokens(100)).replay(recorded[1], 40))
+            raise _Read
+
+    with pytest.raises(_Read):
+        quiet_trainer([Read()], 1, limit_train_batches=1).fit(model)
+    return got[0]
+
+
+def test_a_fit_keeps_the_activation_sizes_its_recordings_show_and_refuses_replays_they_make_unsure() -> None:
+    """Alone, the recording at 63 tokens replays at 100 tokens (wrongly: its width of 64 is read as 63 + 1); after a
+    recording at 20 tokens in the same fit showed 64 as the model's own size, the replay is refused and the
+    caller traces (``TraceMemo.activation_sizes``)."""
+    assert _replayed_at_100_tokens(earlier=False) is not None
+    assert _replayed_at_100_tokens(earlier=True) is None
+
+
 def test_a_step_that_pads_inside_fails_the_replay_check_and_its_re_tune_traces_two_lengths() -> None:
     """A step that pads its samples to a multiple of 32 inside ``training_step`` makes storages whose length is
     not the batch's: replays of the first trace miss the other buckets' traces, so the fit keeps tracing (two

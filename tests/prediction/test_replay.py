@@ -22,7 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retune.prediction.replay import Scaling, model_sizes, replay, scaling, tag_size, target_shapes
+from retune.prediction.replay import (
+    Scaling,
+    activation_sizes,
+    model_sizes,
+    replay,
+    scaling,
+    tag_size,
+    target_shapes,
+)
 from retune.prediction.trace import CannotPredict, StepTrace, fixed_dims, trace_step
 from tests.helpers.prediction_models import SCENARIOS, PredictionModel
 
@@ -159,6 +167,52 @@ def test_a_shifted_length_that_is_also_a_model_size_is_refused_not_misread() -> 
     sure = _lm_trace(net, 61, tag_size(torch.zeros(2, 61), fixed_dims(net)) or 0, record=True)
     replayed, traced = replay(sure, target, 50), _lm_trace(net, 100, 50)
     assert isinstance(replayed, StepTrace) and replayed.peak_bytes == traced.peak_bytes
+
+
+class Doubled(nn.Module):
+    """Token embeddings of 32 concatenated with themselves: a width of 64 that no parameter has (the blind spot of
+    one recording: at 63 tokens it reads as ``length + 1``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.mid = nn.Linear(32, 32)
+
+    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.mid(self.embed(ids))
+        return torch.cat([h, h], -1).relu().pow(2).mean()
+
+
+def _doubled_trace(net: Doubled, length: int, size: int, record: bool = False) -> Any:
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(batch: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+        net.loss(batch).backward()
+        optimizers[0].step()
+
+    return trace_step(net, [optimizer], torch.zeros(2, length, dtype=torch.long), size, step, steps=1, record=record)
+
+
+def test_an_activation_size_next_to_a_later_length_is_known_from_an_earlier_recording() -> None:
+    """One recording at 63 tokens cannot tell the width of 64 from ``length + 1``: replayed at 100 tokens it is
+    wrong. A recording at 20 tokens shows 64 as the model's own (:func:`activation_sizes`); given it, the replay
+    from 63 refuses (the caller traces), and the tag size avoids primes that divide it."""
+    net = Doubled()
+    earlier = _doubled_trace(net, 20, tag_size(torch.zeros(2, 20), fixed_dims(net)) or 0, record=True)
+    seen = activation_sizes(earlier)
+    assert 64 in seen and not seen & {20, 21, 22, 18, 19, 32, 50}
+    tag = tag_size(torch.zeros(2, 63), fixed_dims(net), seen=seen)
+    assert tag is not None and 64 % tag != 0
+    later = _doubled_trace(net, 63, tag, record=True)
+    target = target_shapes(torch.zeros(2, 100, dtype=torch.long), 40)
+    blind, traced = replay(later, target, 40), _doubled_trace(net, 100, 40)
+    assert isinstance(blind, StepTrace) and blind.peak_bytes != traced.peak_bytes  # 64 read as 63 + 1: 101
+    refused = replay(later, target, 40, seen=seen)
+    assert isinstance(refused, CannotPredict) and "64" in refused.reason, refused
+    # the earlier recording itself replays exactly: 64 is not next to 20
+    exact = replay(earlier, target, 40, seen=seen)
+    assert isinstance(exact, StepTrace) and exact.peak_bytes == traced.peak_bytes
+    assert tag_size(torch.zeros(2, 64), fixed_dims(net), seen=seen) is None  # 64 tokens: the model's size too
 
 
 def test_the_tag_size_divides_no_size_next_to_a_sample_size() -> None:
