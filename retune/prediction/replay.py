@@ -24,17 +24,21 @@ apart (:func:`tag_size`):
 Every other dimension is the model's own and stays. A size the model's activations have and its parameters
 do not (a concatenation's ``2 x hidden``) cannot be told, in one recording, from a sample size one or two away
 from it; a recording at another length shows it as what it is, one that neither the batch nor the samples
-explain (:func:`activation_sizes`). The caller keeps those of its recordings (the fit's
+explain (:func:`activation_sizes`: every such size, so a length-derived one and clipping's count of
+gradients too; not one the recording's tag divides). The caller keeps those of its recordings (the fit's
 :class:`~retune.prediction.reuse.TraceMemo`) and passes them to every later replay and tag size (``seen``):
 they count as the model's own. Where that reading is not sure — a traced sample size
 that is a size the model's own dimensions may take (a parameter's dimension or a divisor of one: 64 tokens
 where a hidden size of 128 is split into two heads of 64 would read the heads as tokens), two target sizes
 for one traced size, a prime that divides the samples' sizes — the replay refuses
 (:class:`~retune.prediction.trace.CannotPredict`), or :func:`tag_size` finds no size to record at, and the
-caller traces. Sizes one or two away from a traced sample size follow it only where they are not such a
-size either. A step whose storages do not scale with its dimensions this way (padding to a multiple, a data
-structure sized other than by the batch) replays wrong; the caller checks replays against traces before
-it trusts them (:mod:`retune.buckets.batching`), and every size is verified by a real probe either way.
+caller traces. A size one or two away from a traced sample size that is also such a size (the model's, or an
+unchanged sample size) is read both ways (:meth:`Scaling.ambiguous`): where the two readings put every byte
+count a prediction reads within :data:`AMBIGUITY_TOLERANCE` (a storage of a few bytes: the norms
+``clip_grad_norm_`` stacks) the replay stands, else it refuses. A step whose storages do not scale with its
+dimensions this way (padding to a multiple, a data structure sized other than by the batch) replays wrong;
+the caller checks replays against traces before it trusts them (:mod:`retune.buckets.batching`), and every
+size is verified by a real probe either way.
 
 Example (a linear layer's step, traced at 13 samples and read at 100):
     >>> import torch
@@ -53,6 +57,7 @@ Example (a linear layer's step, traced at 13 samples and read at 100):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -60,7 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from retune.memory import CpuPeakTracker, batch_tensors
-from retune.prediction.trace import CannotPredict, StepFacts, StepTrace, TracedPhases, assemble
+from retune.prediction.trace import CannotPredict, Recording, StepFacts, StepTrace, TracedPhases, assemble
 from retune.recovery.split import batch_length
 
 __all__ = ["Scaling", "activation_sizes", "model_sizes", "replay", "scaling", "tag_size", "target_shapes"]
@@ -182,6 +187,9 @@ class Scaling:
     """The sizes the model's own dimensions may take (:func:`model_sizes`): never read as the batch's."""
     stay: frozenset[int] = frozenset()
     """Per-sample sizes the target keeps: never read as one or two away from a size that changes."""
+    follow: frozenset[int] = frozenset()
+    """Sizes read as one or two away from a size that changes even where they are in :attr:`fixed` or
+    :attr:`stay`: the other reading of an ambiguous dimension (:meth:`ambiguous`)."""
 
     def dim(self, d: int) -> int:
         """The target's size of a traced dimension of size ``d``.
@@ -196,7 +204,7 @@ class Scaling:
         target = self.lengths.get(d)
         if target is not None:
             return target
-        if d not in self.fixed and d not in self.stay:
+        if (d not in self.fixed and d not in self.stay) or d in self.follow:
             for offset in _OFFSETS:
                 near = self.lengths.get(d - offset)
                 if near is not None:
@@ -211,20 +219,31 @@ class Scaling:
                 ratio *= self.dim(d) / d
         return round(nbytes * ratio)
 
-    def ambiguity(self, shapes: Iterable[Sequence[int]]) -> str | None:
-        """Why a dimension among ``shapes`` (a recording's) cannot be read for sure, or None: one that is one or
-        two away from a sample size that changes and is also a size the model's own dimensions or the samples'
-        unchanged ones take (``length - 1`` of 41 tokens is 40, which divides a vocabulary of 1000)."""
+    def ambiguous(self, shapes: Iterable[Sequence[int]]) -> frozenset[int]:
+        """The dimensions among ``shapes`` (a recording's) that cannot be read for sure: one or two away from a
+        sample size that changes, and also a size the model's own dimensions or the samples' unchanged ones take
+        (``length - 1`` of 41 tokens is 40, which divides a vocabulary of 1000). :func:`replay` reads them both ways.
+
+        >>> sorted(Scaling(13, 100, {41: 30}, frozenset({40, 1000})).ambiguous([(13, 40), (1000, 7)]))
+        [40]
+        """
+        unsure = set()
         for shape in shapes:
             for d in shape:
                 if d in self.lengths or d <= 0 or (d not in self.fixed and d not in self.stay):
                     continue
-                for offset in _OFFSETS:
-                    if d - offset in self.lengths:
-                        return (
-                            f"a dimension of {d} is {offset:+d} from the sample size {d - offset} and also a size the "
-                            "model's own dimensions (or the samples' unchanged ones) take: it cannot be told which"
-                        )
+                if any(d - offset in self.lengths for offset in _OFFSETS):
+                    unsure.add(d)
+        return frozenset(unsure)
+
+    def ambiguity(self, shapes: Iterable[Sequence[int]]) -> str | None:
+        """Why a dimension among ``shapes`` cannot be read for sure (:meth:`ambiguous`), or None."""
+        for d in sorted(self.ambiguous(shapes)):
+            offset = next(o for o in _OFFSETS if d - o in self.lengths)
+            return (
+                f"a dimension of {d} is {offset:+d} from the sample size {d - offset} and also a size the "
+                "model's own dimensions (or the samples' unchanged ones) take: it cannot be told which"
+            )
         return None
 
 
@@ -291,23 +310,44 @@ def replay(
         scale = scaling(recording.batch_shapes, target, trace.size, size, recording.fixed_dims, sizes)
         if isinstance(scale, str):
             return CannotPredict(scale)
-        unsure = scale.ambiguity(event[3] for event in recording.events if event[0] == "+")
-        if unsure is not None:
-            return CannotPredict(unsure)
-        tracker = CpuPeakTracker()  # never entered: counted event by event
-        phases = TracedPhases(tracker, recording.reuse)
-        for event in recording.events:
-            kind = event[0]
-            if kind == "+":
-                tracker.count(event[1], scale.bytes(event[2], event[3]))
-            elif kind == "-":
-                tracker.release(event[1])
-            elif kind == "@" and event[1] in _MARKS:
-                getattr(phases, event[1])()
-            else:
-                return CannotPredict(f"the recording holds an event this replay does not know: {event!r}"[:200])
+        unknown = next((event for event in recording.events if not _known(event)), None)
+        if unknown is not None:
+            return CannotPredict(f"the recording holds an event this replay does not know: {unknown!r}"[:200])
+        shapes = [event[3] for event in recording.events if event[0] == "+"]
+        result = _accounted(trace, recording, scale, size)
+        unsure = scale.ambiguous(shapes)
+        if unsure:  # read both ways: where it decides nothing (a few bytes), either reading is the replay
+            other = _accounted(trace, recording, dataclasses.replace(scale, follow=unsure), size)
+            if not _same_prediction(result, other):
+                return CannotPredict(scale.ambiguity(shapes) or "an ambiguous dimension")
     except Exception as error:  # a recording or a target this replay cannot read: trace instead
         return CannotPredict(f"the recording could not be replayed: {type(error).__name__}: {error}")
+    return dataclasses.replace(result, seconds=time.perf_counter() - started)
+
+
+AMBIGUITY_TOLERANCE = 0.001
+"""How far apart the two readings of an ambiguous dimension (:meth:`Scaling.ambiguous`) may put every byte count a
+prediction reads for the replay to stand: 0.1%, where such a dimension is a few bytes' storage (the norms
+``clip_grad_norm_`` stacks, one per gradient)."""
+
+
+def _known(event: tuple[Any, ...]) -> bool:
+    """Whether a replay knows ``event``: a storage made or freed, or a phase mark it may call."""
+    return event[0] in ("+", "-") or (event[0] == "@" and len(event) > 1 and event[1] in _MARKS)
+
+
+def _accounted(trace: StepTrace, recording: Recording, scale: Scaling, size: int) -> StepTrace:
+    """The recording's storages counted at ``scale``, its phases re-run where it marked them."""
+    tracker = CpuPeakTracker()  # never entered: counted event by event
+    phases = TracedPhases(tracker, recording.reuse)
+    for event in recording.events:
+        kind = event[0]
+        if kind == "+":
+            tracker.count(event[1], scale.bytes(event[2], event[3]))
+        elif kind == "-":
+            tracker.release(event[1])
+        else:
+            getattr(phases, event[1])()
     batch_bytes = sum(scale.bytes(nbytes, shape) for shape, nbytes in recording.batch_shapes)
     facts = StepFacts(
         size,
@@ -319,7 +359,17 @@ def replay(
         trace.grads_after,
         trace.accumulating,
     )
-    return assemble(phases, tracker, facts, recording.reuse, time.perf_counter() - started)
+    return assemble(phases, tracker, facts, recording.reuse, 0.0)
+
+
+def _same_prediction(one: StepTrace, other: StepTrace) -> bool:
+    """Whether every byte count a prediction reads is within :data:`AMBIGUITY_TOLERANCE` between the two."""
+    fields = ("peak_bytes", "steady_bytes", "batch_bytes", "compute_bytes", "update_bytes", "update_start_bytes")
+    pairs = [(getattr(one, f), getattr(other, f)) for f in fields]
+    pairs += list(zip(one.steady_parts or (), other.steady_parts or (), strict=False))
+    return (one.steady_parts is None) == (other.steady_parts is None) and all(
+        abs(a - b) <= AMBIGUITY_TOLERANCE * max(abs(a), abs(b), 1) for a, b in pairs
+    )
 
 
 def _sample_dims(batch: Any) -> list[tuple[int, ...]]:

@@ -244,8 +244,12 @@ class Tracer:
         from retune.prediction.replay import activation_sizes
 
         memo = _memo_of(self.pl_module)
+        try:
+            sizes = activation_sizes(result)
+        except Exception:  # a recording it cannot read: nothing kept (this runs on one rank, before the agreement)
+            sizes = frozenset()
         if memo is not None:
-            memo.activation_sizes.update(activation_sizes(result))
+            memo.activation_sizes.update(sizes)
 
     def _local(
         self, result: Any, account: ShardAccount | None, shards: dict[int, int]

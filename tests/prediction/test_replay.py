@@ -215,6 +215,51 @@ def test_an_activation_size_next_to_a_later_length_is_known_from_an_earlier_reco
     assert tag_size(torch.zeros(2, 64), fixed_dims(net), seen=seen) is None  # 64 tokens: the model's size too
 
 
+class Clipped(nn.Module):
+    """Token embeddings through ten linear layers: 21 parameter tensors, whose gradients ``clip_grad_norm_``
+    stacks into one storage of 21 norms (a size that nothing but the parameters' count explains)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(10))
+
+    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h).relu()
+        return h.pow(2).mean()
+
+
+def _clipped_trace(net: Clipped, length: int, size: int, record: bool = False) -> Any:
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(batch: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+        net.loss(batch).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        optimizers[0].step()
+
+    return trace_step(net, [optimizer], torch.zeros(2, length, dtype=torch.long), size, step, steps=1, record=record)
+
+
+def test_an_ambiguous_size_of_a_few_bytes_is_read_both_ways_and_replays() -> None:
+    """Clipping's 21 norms are an activation size (from a recording at 40 tokens); at 20 tokens they are also
+    ``length + 1``. Read both ways the prediction moves by a few bytes, so the replay stands, equal to a trace at
+    the target; a width the step computes with (``Doubled``'s 64, above) still refuses."""
+    net = Clipped()
+    seen = activation_sizes(_clipped_trace(net, 40, tag_size(torch.zeros(2, 40), fixed_dims(net)) or 0, True))
+    assert seen == {21}
+    tag = tag_size(torch.zeros(2, 20), fixed_dims(net), seen=seen)
+    assert tag is not None
+    source = _clipped_trace(net, 20, tag, record=True)
+    target = target_shapes(torch.zeros(2, 50, dtype=torch.long), 30)
+    assert isinstance(source, StepTrace) and source.recording is not None
+    replayed = replay(source, target, 30, seen=seen)
+    traced = _clipped_trace(net, 50, 30)
+    assert isinstance(replayed, StepTrace), replayed
+    assert (replayed.peak_bytes, replayed.steady_bytes) == (traced.peak_bytes, traced.steady_bytes)
+
+
 def test_the_tag_size_divides_no_size_next_to_a_sample_size() -> None:
     """53 tokens: 52 positions are 4 x 13, so a trace at 13 samples would read the loss's positions as 4 batches
     (+99% to +296% where it did); the tag moves past 13 and 17 (51 = 3 x 17) and the replay is exact."""
