@@ -68,7 +68,16 @@ from retune.memory import CpuPeakTracker, batch_tensors
 from retune.prediction.trace import CannotPredict, Recording, StepFacts, StepTrace, TracedPhases, assemble
 from retune.recovery.split import batch_length
 
-__all__ = ["Scaling", "activation_sizes", "model_sizes", "replay", "scaling", "tag_size", "target_shapes"]
+__all__ = [
+    "AMBIGUITY_TOLERANCE",
+    "Scaling",
+    "activation_sizes",
+    "model_sizes",
+    "replay",
+    "scaling",
+    "tag_size",
+    "target_shapes",
+]
 
 _PRIMES = (13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73, 79, 83, 89, 97)
 _OFFSETS = (1, -1, 2, -2)
@@ -297,8 +306,9 @@ def replay(
 ) -> StepTrace | CannotPredict:
     """``trace``'s step at a batch of ``target``'s shapes (:func:`target_shapes`) and ``size`` samples, read from
     its :attr:`~retune.prediction.trace.StepTrace.recording` (see the module doc); never raises. ``seen``: the
-    model's activations' sizes that other recordings showed (:func:`activation_sizes`), taken as its own (a
-    dimension one or two from a traced sample size that is one of them refuses the replay)."""
+    model's activations' sizes that other recordings showed (:func:`activation_sizes`), taken as its own: a
+    dimension one or two from a traced sample size that is one of them is read both ways, and the replay refuses
+    where the two readings differ by more than :data:`AMBIGUITY_TOLERANCE`."""
     started = time.perf_counter()
     recording = getattr(trace, "recording", None)
     if recording is None:
