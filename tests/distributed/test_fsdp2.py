@@ -382,7 +382,7 @@ def test_the_fsdp2_example_runs_on_two_cpu_processes_and_retunes_at_the_unfreeze
 
 def test_the_fsdp2_example_with_predict_verifies_predicted_sizes_with_a_few_probes(tmp_path: Path) -> None:
     """``--predict`` (``search.predict: auto``): both searches are predicted and verified with at most 3 real
-    probes each (measured: 1 and 2, where real probes alone take 10 and 11, to the same sizes, 1024 and 775)."""
+    probes each (measured: 3 and 2, where real probes alone take 21 and 11, to the same sizes, 1521 and 775)."""
     lines = _run_example(tmp_path, "--predict")
     assert all(line.endswith(", predicted") for line in lines), lines
     probes = [int(line.split(", ")[1].split()[0]) for line in lines]
