@@ -31,14 +31,18 @@ def load_schedule(source: ScheduleSource) -> RetuneSchedule:
 
     Args:
         source: a path to a ``.yaml``/``.yml``, ``.json`` or ``.toml`` file, a dict with the same
-            content, or an already validated :class:`RetuneSchedule` (returned as is).
+            content, or a :class:`RetuneSchedule` (validated again: an edited copy, ``model_copy(update=...)``,
+            is not validated by pydantic).
 
     Raises:
         ScheduleError: naming the file (or ``<dict>``), the field path, the bad value and what is
             allowed, for any problem from a missing file to an out-of-range number.
     """
     if isinstance(source, RetuneSchedule):
-        return source
+        # validated again: ``model_copy(update=...)`` and attribute writes through ``object.__setattr__`` skip
+        # validation, so an edited schedule may hold a value no file could (a typo'd predict that would search
+        # without it in silence)
+        return validate_data(source.model_dump(mode="python"), f"<{type(source).__name__}>")
     if isinstance(source, Mapping):
         return validate_data(dict(source), "<dict>")
     if isinstance(source, (str, Path)):
@@ -246,11 +250,21 @@ def _problem(err: ErrorDetails) -> FieldProblem:
     message = err["msg"].replace("valid tuple", "list")
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
-    if isinstance(value, (dict, list)) and kind not in {"list_type", "tuple_type", "dict_type", "model_type"}:
-        return FieldProblem(path, message)
-    if repr(value) in message or (isinstance(value, (int, float)) and f" {value}" in message):
+    if isinstance(value, dict) and kind not in {"list_type", "tuple_type", "dict_type", "model_type"}:
+        return FieldProblem(path, message)  # a rule between a section's fields: the message names them
+    if isinstance(value, list) and kind == "value_error":
+        return FieldProblem(path, message)  # a rule on a list (at least one trigger): the message says what
+    if _shows(message, value):
         return FieldProblem(path, message)  # the message already shows the value
     return FieldProblem(path, f"{message} (got {_short(value)})")
+
+
+def _shows(message: str, value: Any) -> bool:
+    """Whether ``message`` already shows ``value``: a string quoted in it, or any value after a "got". A number's
+    digits alone do not count: "Input should be less than 1" says nothing of the 1 it got."""
+    if isinstance(value, str) and repr(value) in message:
+        return True
+    return any(f"got {text}" in message for text in (repr(value), str(value)))
 
 
 def _short(value: Any) -> str:

@@ -105,6 +105,7 @@ class SearchConfig(_Config):
         0.05,
         ge=0.0,
         lt=1.0,
+        allow_inf_nan=False,
         description=(
             "Safety cut applied to the size found by binsearch (and model): found * (1 - margin). Where the "
             "probes measure a memory line (mode: model, batching: buckets, predict), to the size at which the "
@@ -178,11 +179,12 @@ class SearchConfig(_Config):
     @field_validator("predict", mode="before")
     @classmethod
     def _yaml_switch(cls, value: Any) -> Any:
-        # YAML 1.1 (PyYAML) reads a bare `off` as false and `on` as true: `predict: off` means "off"
+        # YAML 1.1 (PyYAML) reads a bare `off` (and `no`) as false: `predict: off` means "off". A true (`true`,
+        # `yes`, a bare `on`) names no value: refused, with the word to write, rather than read as one
         if value is False:
             return "off"
         if value is True:
-            return "auto"
+            raise ValueError("predict takes 'off' or 'auto', not a boolean: write predict: auto")
         return value
 
     @field_validator("sample_size")
@@ -204,6 +206,13 @@ class SearchConfig(_Config):
             raise ValueError(
                 "buckets needs every sample's size to put it in a bucket, so it cannot be combined with "
                 "search.scan_limit; remove scan_limit"
+            )
+        if value == "buckets" and info.data.get("mode") == "power":
+            # power promises sizes that are init_val doubled; a bucket's size is read off a memory model of its
+            # lengths (retune.buckets.sizes), whatever mode says, so that promise would be broken in silence
+            raise ValueError(
+                "buckets sizes each bucket from a memory model of its lengths, so its sizes are not init_val doubled "
+                "as search.mode: power promises; remove mode (binsearch) or use batching: fixed"
             )
         return value
 
@@ -442,7 +451,11 @@ class LRFindConfig(_Config):
         "and its value at the third step (a non-finite loss always stops it); null: run every step.",
     )
     smoothing: StrictFloat = Field(
-        0.98, ge=0.0, lt=1.0, description="Exponential moving average factor for the loss (0: no smoothing)."
+        0.98,
+        ge=0.0,
+        lt=1.0,
+        allow_inf_nan=False,
+        description="Exponential moving average factor for the loss (0: no smoothing).",
     )
     suggestion: Literal["valley", "steepest", "min_div10"] = Field(
         "valley",

@@ -70,6 +70,11 @@ CASES: list[Any] = [
     # -- out of range -----------------------------------------------------------------------------
     ("margin_too_large.yaml", "search.margin", "Input should be less than 1 (got 1.5)"),
     ("margin_percent.toml", "search.margin", "Input should be less than 1 (got 5)"),
+    ("margin_one.yaml", "search.margin", "Input should be less than 1 (got 1)"),  # the 1 in "than 1" is not it
+    ("margin_nan.yaml", "search.margin", "Input should be a finite number (got nan)"),
+    ("predict_on.yaml", "search.predict", "not a boolean: write predict: auto (got True)"),
+    ("predict_list.json", "search.predict", "Input should be 'off' or 'auto' (got ['auto'])"),
+    ("buckets_power.yaml", "search.batching", "its sizes are not init_val doubled as search.mode: power promises"),
     ("init_val_zero.yaml", "search.init_val", "Input should be greater than or equal to 1 (got 0)"),
     ("max_val_below_init_val.yaml", "search.max_val", "max_val must be >= init_val (64) (got 32)"),
     ("version_2.yaml", "version", "Input should be 1 (got 2)"),

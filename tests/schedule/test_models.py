@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from retune import RetuneSchedule, ScheduleError, load_schedule
+from retune import RetuneSchedule, ScheduledBatchSizeFinder, ScheduleError, load_schedule
 from retune.schedule.models import (
     TRIGGER_KINDS,
     ApplyConfig,
@@ -181,9 +181,19 @@ def test_file_round_trip_through_json(tmp_path: Path) -> None:
     assert load_schedule(out) == schedule
 
 
-def test_a_ready_model_is_returned_as_is() -> None:
+def test_a_ready_model_is_validated_again_and_equal() -> None:
     schedule = load_schedule(FULL)
-    assert load_schedule(schedule) is schedule
+    assert load_schedule(schedule) == schedule
+
+
+def test_an_edited_copy_with_a_bad_value_is_refused_not_used() -> None:
+    """``model_copy(update=...)`` does not validate: a typo there would have searched without predict, in silence."""
+    schedule = load_schedule(FULL)
+    edited = schedule.model_copy(update={"search": schedule.search.model_copy(update={"predict": "autto"})})
+    with pytest.raises(ScheduleError, match=r"^<RetuneSchedule>: search\.predict: .*\(got 'autto'\)"):
+        load_schedule(edited)
+    with pytest.raises(ScheduleError, match=r"search\.predict"):
+        ScheduledBatchSizeFinder(edited)
 
 
 def test_path_and_str_give_the_same_schedule() -> None:
@@ -315,9 +325,10 @@ def test_yaml_merge_keys_are_accepted(tmp_path: Path) -> None:
     assert [getattr(t, "min_fraction", None) for t in schedule.triggers] == [None, 0.1, 0.5]
 
 
-@pytest.mark.parametrize(("written", "meant"), [("off", "off"), ("auto", "auto"), ("false", "off"), ("true", "auto")])
+@pytest.mark.parametrize(("written", "meant"), [("off", "off"), ("auto", "auto"), ("false", "off"), ("no", "off")])
 def test_predict_off_in_yaml_means_off(tmp_path: Path, written: str, meant: str) -> None:
-    """YAML 1.1 reads a bare ``off`` as false: ``search.predict: off`` must still mean "off", not an error."""
+    """YAML 1.1 reads a bare ``off`` as false: ``search.predict: off`` must still mean "off", not an error. A true
+    (``on``, ``yes``, ``true``) is refused: tests/schedules_bad/predict_on.yaml."""
     path = tmp_path / "schedule.yaml"
     path.write_text(f"triggers: [{{kind: fit_start}}]\nsearch:\n  predict: {written}\n", encoding="utf-8")
     assert load_schedule(path).search.predict == meant
