@@ -46,6 +46,7 @@ from torch.utils.data import DistributedSampler
 from retune.buckets.loader import BucketBatchSampler
 from retune.buckets.plan import Buckets, PlannedBatch
 from retune.errors import RetuneError
+from retune.random_state import keep_run_draw, sampler_generators
 
 
 def bucket_of_index(buckets: Buckets) -> dict[int, int]:
@@ -412,6 +413,10 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
             draws = draw_epoch(self.draws_from, epoch)
         except RetuneError as error:
             failed, draws = error, []
+        else:
+            # the epoch's draw is the run's: Lightning may ask the length while retune rebuilds the loader, inside
+            # a block that puts the random streams back (rolled back, the next epoch would draw these again)
+            keep_run_draw(sampler_generators(self.draws_from))
         if self.world_size > 1:
             assert self.share is not None
             shared = self.share(str(failed) if failed is not None else draws)

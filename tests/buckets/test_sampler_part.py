@@ -165,6 +165,16 @@ def test_a_sampler_of_fewer_draws_than_samples_with_drop_last_drops_less_than_on
     assert max(finder.bucket_sizes) <= num_samples  # no bucket searched above what one epoch can draw
 
 
+def test_a_sampler_on_torchs_rng_draws_a_new_epoch_every_epoch() -> None:
+    """A ``WeightedRandomSampler`` without a generator of its own draws from torch's RNG. Its epoch is drawn when
+    Lightning first asks the loader's length, inside the rebuild at the search's size that puts the random streams
+    back: epoch 1 trained epoch 0's draws again, in the same order (and epoch 2 those of epoch 1, and so on)."""
+    seen, _, _ = _fit(lambda: WeightedRandomSampler(_weights(), 150), epochs=3)
+    epochs = [seen.trained(epoch) for epoch in range(3)]
+    assert all(len(draws) == 150 for draws in epochs)
+    assert len({tuple(sorted(draws)) for draws in epochs}) == 3, "each epoch a new draw of the sampler"
+
+
 def test_a_shuffled_loader_with_drop_last_drops_less_than_one_batch_of_the_longest_samples() -> None:
     seen, finder, _ = _fit(None, drop_last=True)
     for epoch in range(2):
