@@ -37,7 +37,7 @@ class RngStates:
 
     python: Any
     numpy: Any
-    torch: torch.Tensor
+    cpu: torch.Tensor
     cuda: list[torch.Tensor] | None
     own: tuple[tuple[torch.Generator, torch.Tensor], ...]
 
@@ -55,7 +55,7 @@ class RngStates:
     def restore(self) -> None:
         random.setstate(self.python)
         np.random.set_state(self.numpy)
-        torch.set_rng_state(self.torch)
+        torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
         for generator, state in self.own:
