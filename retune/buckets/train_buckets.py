@@ -42,6 +42,7 @@ from retune.buckets.sizes import (
     BucketSearchResult,
     BucketTrial,
     below_failure,
+    carried_down,
     length_curve,
     search_buckets,
 )
@@ -557,11 +558,22 @@ class TrainBuckets:
             size = sizes[bucket]
             if size is not None and best is not None and size < best:
                 raised = below_failure(min(best, uppers[bucket]), failed.get(bucket))
+                raised = carried_down(raised, result, bucket)  # not past what its own probes measured
                 sizes[bucket] = size = size if raised is None else max(size, raised)
             if size is not None:
                 best = size if best is None else max(best, size)
         if only is not None and previous is not None:
             sizes = [sizes[b] if b in only else previous[b] for b in range(buckets.count)]
+        if result.unordered:
+            shown = ", ".join(f"{b} (samples up to {buckets.largest[b]})" for b in sorted(result.unordered))
+            self.probe_batches.warn_once(
+                "bucket-order",
+                f"search.batching: buckets: bucket {shown} measured more memory per sample than longer samples "
+                "fit with: memory does not grow with sample_size here (a collate that pads two dimensions apart, "
+                "images sized by their area?), so a longer bucket's fit does not size it and it keeps the size its "
+                "own probes found. A sample_size that bounds the padded batch (max(height, width) ** 2) groups such "
+                "samples by what they cost",
+            )
         self.state.failed = failed
         return BucketOutcome(
             buckets,

@@ -42,3 +42,25 @@ def test_a_bucket_search_rereads_its_probes_when_the_headroom_grows() -> None:
     assert found == found_before
     assert all(f is not None and 0.95 * t <= f <= t for f, t in zip(found, truth, strict=True)), (found, truth)
     assert trials < trials_before, (trials, trials_before)
+
+
+def test_a_bucket_whose_own_probes_cost_more_than_longer_samples_is_not_raised_to_their_fit() -> None:
+    """Found by review: images padded to the batch's tallest and widest apart, sized by their area. The bucket of
+    areas up to 896 holds tall and wide images (8 x 112, 112 x 8): its worst batch pads to 112 x 112, more memory
+    per sample than the squares of 1024 in the next bucket. Its own probes measured that (7 fit), and the carry
+    "a size that fits longer samples fits shorter ones" raised it to the squares' fit all the same: 86, at 11.5
+    times the budget in training. A bucket keeps its own probes' size where their line says the carried one does
+    not fit, and the result names it (the finder warns)."""
+    limit = 24 * 2**20
+    largest, per_sample = (896, 1024, 9216), {0: 12544 * 200, 1: 1024 * 200, 2: 9216 * 200}
+
+    def measure(bucket: int, size: int) -> tuple[bool, int | None]:
+        peak = 2**20 + size * per_sample[bucket]
+        return peak <= limit, peak
+
+    result = search_buckets(largest, (185, 113, 2), measure, limit, start=2, max_trials=25, tolerance=0.05)
+    truth = [(limit - 2**20) // per_sample[b] for b in range(3)]
+    assert result.found[1] is not None and result.found[1] > truth[0]  # the squares fit far more than the mixed
+    assert result.found[0] is not None and result.found[0] <= truth[0], (result.found, truth)
+    assert any(t.bucket == 0 and t.fits and t.batch_size == result.found[0] for t in result.trials), "its own probe"
+    assert result.unordered == [0]
