@@ -74,6 +74,29 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
         yield from _tensors(list(value.values()))
 
 
+def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding ``tensor``'s memory: its own (a sharded tensor's local shard's), or a sparse tensor's
+    parts' (indices and values: a sparse tensor has no storage of its own; ``nn.Embedding(sparse=True)`` makes
+    sparse gradients). None for a layout whose parts are not known.
+
+    >>> [s.nbytes() for s in storages_of(torch.ones(3).to_sparse())]   # int64 indices (1 x 3), float values (3)
+    [24, 12]
+    """
+    tensor = local(tensor)
+    layout = tensor.layout
+    if layout == torch.strided:
+        return [tensor.untyped_storage()]
+    if layout == torch.sparse_coo:
+        parts: tuple[torch.Tensor, ...] = (tensor._indices(), tensor._values())
+    elif layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+    elif layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+    else:
+        return []
+    return [part.untyped_storage() for part in parts]
+
+
 def _device_type(tensor: torch.Tensor) -> str:
     """``tensor.device.type``, read without a dispatch for a fake tensor (whose ``device`` is a dispatched
     query: a trace asks it of every argument and result of every operator)."""
@@ -159,18 +182,20 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for leaf in _tensors(out):
             if _device_type(leaf) != kind:
                 continue
-            storage = local(leaf).untyped_storage()  # a sharded (DTensor) result: its local shard
-            key = storage._cdata
-            if key in self._live or key in resized:
-                continue
-            if inputs is None:
-                inputs = {
-                    local(t).untyped_storage()._cdata
-                    for t in _tensors((args, kwargs) if kwargs else args)
-                    if _device_type(t) == kind
-                }
-            if key not in inputs:  # a view or an in-place result shares an input's storage: no new memory
-                self._track(storage, key, local(leaf).shape)
+            # a sharded (DTensor) result: its local shard's; a sparse one: its indices' and values'
+            for storage in storages_of(leaf):
+                key = storage._cdata
+                if key in self._live or key in resized:
+                    continue
+                if inputs is None:
+                    inputs = {
+                        part._cdata
+                        for t in _tensors((args, kwargs) if kwargs else args)
+                        if _device_type(t) == kind
+                        for part in storages_of(t)
+                    }
+                if key not in inputs:  # a view or an in-place result shares an input's storage: no new memory
+                    self._track(storage, key, local(leaf).shape)
         if resized:
             if self.recording is not None:
                 self.recording.append(("!",))
@@ -210,9 +235,9 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         :func:`resident_bytes` leaves gradients out."""
         before = self.live_bytes
         for tensor in tensors:
-            storage = local(tensor).untyped_storage()
-            if storage._cdata not in self._live:
-                self._track(storage, storage._cdata, local(tensor).shape)
+            for storage in storages_of(tensor):
+                if storage._cdata not in self._live:
+                    self._track(storage, storage._cdata, local(tensor).shape)
         return self.live_bytes - before
 
     def log_new_storages(self) -> None:
@@ -372,8 +397,8 @@ def gradient_bytes(module: torch.nn.Module) -> int:
     seen: dict[int, int] = {}
     for param in module.parameters():
         if param.grad is not None:
-            storage = local(param.grad).untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
+            for storage in storages_of(param.grad):
+                seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -390,8 +415,8 @@ def resident_bytes(module: torch.nn.Module, optimizers: Iterable[torch.optim.Opt
 
     def add(tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor):
-            storage = local(tensor).untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
+            for storage in storages_of(tensor):
+                seen[storage._cdata] = storage.nbytes()
 
     for param in module.parameters():
         add(param)
@@ -436,8 +461,8 @@ def _storage_bytes(tensors: Iterable[Any]) -> int:
     seen: dict[int, int] = {}
     for tensor in tensors:
         if isinstance(tensor, torch.Tensor):
-            storage = local(tensor).untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
+            for storage in storages_of(tensor):
+                seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -534,8 +559,8 @@ def tensor_bytes(obj: Any) -> int:
     """
     seen: dict[int, int] = {}
     for tensor in _batch_tensors(obj, set()):
-        storage = tensor.untyped_storage()
-        seen[storage._cdata] = storage.nbytes()
+        for storage in storages_of(tensor):
+            seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -677,6 +702,7 @@ __all__ = [
     "has_gradients",
     "has_optimizer_state",
     "measure_peak",
+    "storages_of",
     "resident_bytes",
     "tensor_bytes",
 ]

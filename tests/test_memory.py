@@ -305,3 +305,51 @@ def test_own_need_is_the_peak_beyond_what_the_block_left_alive() -> None:
         second = torch.empty(1000)  # state, kept
         need = tracker.own_need(0)
     assert need == 8000 and first.numel() == second.numel() == 1000
+
+
+def test_sparse_gradients_are_counted_by_their_parts() -> None:
+    """Found by review: ``nn.Embedding(sparse=True)`` makes sparse gradients, which have no storage of their own;
+    the tracker asked for one and the run died with a bare ``NotImplementedError`` under any CPU budget. Their
+    indices and values are counted."""
+    embedding = nn.Embedding(1000, 64, sparse=True)
+    ids = torch.randint(0, 1000, (32, 8), generator=torch.Generator().manual_seed(0))
+    with CpuPeakTracker() as tracker:
+        embedding(ids).sum().backward()
+    grad = embedding.weight.grad
+    assert grad is not None and grad.is_sparse
+    parts = grad._indices().numel() * 8 + grad._values().numel() * 4  # int64 indices, float32 values
+    assert tracker.peak_bytes >= parts
+    assert tracker.peak_bytes < embedding.weight.numel() * 4  # not a dense gradient's
+
+
+class SparseEmbedding(pl.LightningModule):  # type: ignore[misc,name-defined]
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_size = 4
+        self.embedding = nn.Embedding(5000, 64, sparse=True)
+        self.head = nn.Linear(64, 10)
+        g = torch.Generator().manual_seed(0)
+        self.data = TensorDataset(torch.randint(0, 5000, (1024, 8), generator=g), torch.randint(0, 10, (1024,)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, y = batch
+        return F.cross_entropy(self.head(self.embedding(ids).mean(1)), y)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=self.batch_size)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("predict", ["off", "auto"])
+def test_a_model_with_sparse_gradients_is_searched_under_a_cpu_budget(predict: str) -> None:
+    schedule = {"search": {"predict": predict}, "memory": {"budget": "3MiB"}, "triggers": [{"kind": "fit_start"}]}
+    finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+    pl.Trainer(
+        callbacks=[finder], max_epochs=1, limit_train_batches=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+    ).fit(SparseEmbedding())  # fmt: skip
+    event = finder.history[0]
+    assert event.batch_size_after is not None and event.batch_size_after > 4
+    assert any(fits for _, fits in event.trials) and all(p is None or p > 0 for p in event.peak_bytes)

@@ -377,7 +377,10 @@ class Prober:
         """
         accumulating = self.stage == "train" and compat.get_accumulation(self.trainer) > 1
         steps = self.steps_per_trial
-        if self.steady_peaks and self.stage == "train" and (self._stats is not None or accumulating):
+        # a manual step marks no phases: where it creates the optimizer state, only its peak plus that state bounds
+        # a later step's, which counts the state twice where the update is the peak; a second step measures it
+        manual = self.stage == "train" and not getattr(self.pl_module, "automatic_optimization", True)
+        if self.steady_peaks and self.stage == "train" and (self._stats is not None or accumulating or manual):
             steps = max(2, steps)  # only a step after one of the trial's own is steady there (below)
         batches = compat.probe_batches(self.trainer, self.stage, loader, steps)  # close() ends workers
         device = self.pl_module.device
@@ -436,7 +439,9 @@ class Prober:
                     here = tuple(base + part for part in parts)
                     before = self._trial_phases
                     self._trial_phases = here if before is None else tuple(map(max, before, here))
-                if step_peak is not None and phases is not None and steady:
+                # unmarked, a step that created the state is bounded only where no later step of the trial measures
+                measured_later = phases is not None and not phases.marked and created > 0 and step + 1 < steps
+                if step_peak is not None and phases is not None and steady and not measured_later:
                     # as a later step has it: the state this one created, the gradients of a step before
                     step_peak += phases.steady(created) - phases.peak
                 del batch, raw
@@ -444,7 +449,7 @@ class Prober:
                     peak = step_peak if peak is None else max(peak, step_peak)
                 # accumulating, the trial's second step is a window's later micro-batch (no zero_grad: backward
                 # holds the gradients), measured as it runs; the first one's steady sum would only bound it
-                steady_now = had_state or (phases is not None and (step > 0 or not accumulating))
+                steady_now = had_state or (phases is not None and (step > 0 or not (accumulating or measured_later)))
                 if steady and self.steady_stop and steady_now and has_optimizer_state(optimizers):
                     break
         finally:

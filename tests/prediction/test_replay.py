@@ -379,3 +379,20 @@ def test_a_step_whose_storages_do_not_scale_with_the_batch_replays_wrong() -> No
     traced = trace_step(net, [optimizer], target, 50, step, steps=1)
     assert isinstance(replayed, StepTrace) and isinstance(traced, StepTrace)
     assert not math.isclose(replayed.peak_bytes, traced.peak_bytes, rel_tol=0.01)
+
+
+def test_a_replay_check_compares_every_phase_above_the_fixed_memory_not_only_the_peak() -> None:
+    """Found by review: with one long outlier the longest bucket's cap is 1 sample, where the step peaks in the
+    optimizer update, the same in a replay and a trace. A model that prepends 8 learned tokens replays its
+    activations 7-85% wrong, and the check at that cap passed on the peak (8,781,844 bytes both): the fit replayed
+    the middle bucket 42% low and a probe measured 1.69 times the budget. The check compares each phase's part
+    above the memory no batch changes too."""
+    from retune.search.predict_run import replay_matches
+
+    fixed = 5_903_248.0
+    traced_parts = (6_100_000.0, 6_250_000.0, 8_781_844.0)  # forward, backward: activations; the update peaks
+    wrong = (6_040_000.0, 6_150_000.0, 8_781_844.0)  # the activations read 30-40% low, the same update
+    assert replay_matches(8_781_844.0, 8_781_844.0)  # the peak alone: no difference to see
+    assert not replay_matches(8_781_844.0, 8_781_844.0, wrong, traced_parts, fixed)
+    assert replay_matches(8_781_844.0, 8_781_844.0, traced_parts, traced_parts, fixed)  # exact: to the byte
+    assert not replay_matches(9_000_000.0, 8_781_844.0, traced_parts, traced_parts, fixed)  # the peak still counts
