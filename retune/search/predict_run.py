@@ -41,6 +41,7 @@ from retune.distributed.fsdp2 import ShardAccount, compute_dtypes, gradient_shar
 from retune.memory import resident_bytes
 from retune.prediction.reuse import TraceMemo, Unkeyable, memo_for, trace_key
 from retune.probing.prober import Prober
+from retune.recovery.split import SplitError, batch_length
 from retune.search.largest import SearchPlan
 from retune.search.predicted import PredictedResult, Prediction, predict_largest, run_predicted_search
 
@@ -396,10 +397,30 @@ def sample_to_trace(trainer: Any, prober: Prober, size: int) -> Any:
         batch, reason = prober.sample_batch(size), None
     except Exception as error:  # said as the reason; the loader's failure shows again in the probes that follow
         batch, reason = None, f"no batch to trace ({type(error).__name__}: {error})"
+    if reason is None:
+        reason = _not_batch_first(batch, size)
     reasons = [r for r in compat.all_gather_object(trainer, reason) if r is not None]
     if reasons:
         raise Untraceable(reasons[0])
     return batch
+
+
+def _not_batch_first(batch: Any, size: int) -> str | None:
+    """Why ``batch``, asked of the loader at ``size`` samples, cannot be faked at other sizes (None: it can). A trace
+    fakes the batch's leading dimension as its samples (:mod:`retune.prediction.fake_batch`); a batch whose leading
+    dimension is longer than the samples asked for is not batch-first (``pad_sequence``'s default time-major
+    ``(length, batch)``), and faking its length as the batch predicted every bucket's memory per sample alike."""
+    try:
+        length = batch_length(batch)
+    except SplitError:
+        return None  # the trace says why (an ambiguous batch dimension)
+    if length is not None and length > size:
+        return (
+            f"the batch's leading dimension is {length} where the loader was asked for {size} samples: a prediction "
+            "fakes the leading dimension as the samples (batch-first); a time-major batch (pad_sequence's default, "
+            "(length, batch)) or a loader that decides its own batch sizes is searched with real probes"
+        )
+    return None
 
 
 @contextmanager

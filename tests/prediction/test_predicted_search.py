@@ -743,3 +743,52 @@ def test_replays_stop_for_the_fit_once_verifying_probes_measure_a_replay_far_off
     assert max(abs(e) for e in cold.prediction_errors if e is not None) < 0.01  # the check passed, rightly
     assert max(abs(e) for e in retune.prediction_errors if e is not None) > 0.3  # replays far off after the unfreeze
     assert finder._buckets.replays is False
+
+
+class _TimeMajor(BucketModel):
+    """``pad_sequence``'s default collate: ``(length, batch)`` token ids, the samples on the second dimension."""
+
+    def __init__(self) -> None:
+        from tests.helpers.bucket_data import IndexedTokens, long_tail_lengths
+
+        super().__init__(IndexedTokens(long_tail_lengths(400)))
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        pass  # its batches carry no dataset indices
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, targets = batch
+        h = self.mlp(self.embed(ids)).transpose(0, 1)  # (batch, length, hidden)
+        return F.cross_entropy(self.head(h).flatten(0, 1), (targets.transpose(0, 1) % 4).flatten())
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        from torch.nn.utils.rnn import pad_sequence
+
+        def collate(samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = pad_sequence([s["input_ids"] for s in samples])
+            return ids, ids.clone()
+
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True, collate_fn=collate)
+
+
+def test_a_time_major_batch_is_searched_with_real_probes_not_predicted_as_its_length() -> None:
+    """Found by review: a trace fakes a batch's leading dimension as its samples. With ``(length, batch)`` batches
+    every bucket's memory per sample was predicted alike (errors of -68% to -99%), and the bounds cut by steps at
+    the predicted sizes merged every sample into one bucket: 80 steps an epoch where probes alone take 7. A batch
+    whose leading dimension is longer than the samples asked for is probed, and the note says why."""
+    from tests.helpers import bucket_data
+    from tests.helpers.bucket_data import tokens
+
+    events = {}
+    for predict in ("off", "auto"):
+        torch.manual_seed(0)
+        schedule = bucket_data.schedule(predict=predict)
+        schedule["memory"] = {"budget": "8MiB"}
+        finder = ScheduledBatchSizeFinder(schedule, sample_size=tokens, verbose=False, write_report=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            bucket_data.trainer([finder], epochs=1).fit(_TimeMajor())
+        events[predict] = finder.history[0]
+    auto, off = events["auto"], events["off"]
+    assert auto.prediction == "probed" and "time-major" in auto.note, auto.note
+    assert (auto.bucket_bounds, auto.bucket_sizes) == (off.bucket_bounds, off.bucket_sizes)
