@@ -79,6 +79,9 @@ def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     parts' (indices and values: a sparse tensor has no storage of its own; ``nn.Embedding(sparse=True)`` makes
     sparse gradients). None for a layout whose parts are not known.
 
+    Args:
+        tensor: any tensor, fake or real, dense, sharded or sparse.
+
     >>> [s.nbytes() for s in storages_of(torch.ones(3).to_sparse())]   # int64 indices (1 x 3), float values (3)
     [24, 12]
     """
