@@ -205,7 +205,9 @@ class TrainingSnapshot:
         snap.metrics = MetricStates.capture(module)
         snap.attributes = ModuleAttributes.capture(module, bindings=True)
         snap.rng = _rng_state()
-        snap.generators = [(g, g.get_state()) for g in generators]
+        given = list(generators)
+        own = [g for g in module_generators(module) if all(g is not k for k in given)]
+        snap.generators = [(g, g.get_state()) for g in [*given, *own]]  # a step's own generator: put back too
         # only now, when nothing above can fail any more: move the run onto the held copies
         with torch.no_grad():
             for param in held_grads:
@@ -286,14 +288,30 @@ class TrainingSnapshot:
 
 
 def _with_inner_optimizers(optimizers: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
-    """The optimizers and any optimizer they wrap (``ZeroRedundancyOptimizer.optim`` holds the real
-    state; the wrapper's own ``state`` stays empty), each once."""
+    """The optimizers and every optimizer they wrap, each once: an attribute of one that is an optimizer
+    (``ZeroRedundancyOptimizer.optim`` holds the real state, the wrapper's own ``state`` stays empty; SAM's
+    ``base_optimizer`` and a Lookahead's ``optimizer`` hold the momentum the wrapper's update uses). Found by
+    review: a SAM-style wrapper's inner momentum was left as the probes' steps made it, so the run trained
+    other weights than one that never searched."""
     found: list[torch.optim.Optimizer] = []
-    for optimizer in optimizers:
-        inner = getattr(optimizer, "optim", None)
-        for candidate in (optimizer, inner):
-            if isinstance(candidate, torch.optim.Optimizer) and all(candidate is not f for f in found):
-                found.append(candidate)
+    pending = list(optimizers)
+    while pending:
+        candidate = pending.pop(0)
+        if not isinstance(candidate, torch.optim.Optimizer) or any(candidate is f for f in found):
+            continue
+        found.append(candidate)
+        pending.extend(value for value in vars(candidate).values() if isinstance(value, torch.optim.Optimizer))
+    return found
+
+
+def module_generators(module: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects ``module`` and its submodules keep as attributes (a step that draws its
+    noise or masks from its own generator: the probes' steps advance it as a training step would)."""
+    found: list[torch.Generator] = []
+    for sub in module.modules():
+        for value in vars(sub).values():
+            if isinstance(value, torch.Generator) and all(value is not g for g in found):
+                found.append(value)
     return found
 
 

@@ -479,3 +479,35 @@ def test_a_compiled_module_runs_on_held_copies_without_recompiling() -> None:
     step()  # the run goes on, compiled, on its own tensors
     assert counters["stats"]["unique_graphs"] == graphs, "no recompilation on the copies or after"
     torch._dynamo.reset()
+
+
+class _Wrapper(torch.optim.Optimizer):
+    """A SAM-style wrapper: its update is an inner optimizer's (``base_optimizer``), whose momentum is the state."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.base_optimizer = torch.optim.SGD(self.param_groups, lr=0.1, momentum=0.9)
+        self.param_groups = self.base_optimizer.param_groups
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.base_optimizer.step()
+
+
+def test_an_optimizer_a_wrapper_holds_and_a_modules_own_generator_are_put_back() -> None:
+    """Found by review: the probes' steps moved a SAM-style wrapper's inner momentum and a generator the module
+    keeps for its noise, and both stayed moved: the run trained other weights than one that never searched."""
+    net = _Net()
+    net.noise = torch.Generator().manual_seed(3)  # type: ignore[assignment]
+    optimizer = _Wrapper(net.parameters())
+    net(torch.randn(8, 256)).pow(2).mean().backward()
+    optimizer.step()
+    inner = optimizer.base_optimizer
+    momentum = {id(p): s["momentum_buffer"].clone() for p, s in inner.state.items()}
+    generator_state = net.noise.get_state()  # type: ignore[attr-defined]
+    snap = TrainingSnapshot.capture(net, optimizers=[optimizer])
+    optimizer.zero_grad()
+    net(torch.randn(8, 256, generator=net.noise)).pow(2).mean().backward()  # type: ignore[attr-defined]
+    optimizer.step()
+    snap.restore()
+    assert all(torch.equal(s["momentum_buffer"], momentum[id(p)]) for p, s in inner.state.items())
+    assert torch.equal(net.noise.get_state(), generator_state)  # type: ignore[attr-defined]
