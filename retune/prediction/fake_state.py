@@ -84,15 +84,22 @@ def fake_training_state(
     fakes: dict[int, torch.Tensor] = {}  # one fake per real tensor: tied names, and the optimizers' references
     dtypes = compute_dtypes or {}
 
-    def fake(tensor: torch.Tensor) -> torch.Tensor:
+    def fake(tensor: torch.Tensor, scalar_constant: bool = False) -> torch.Tensor:
         if id(tensor) not in fakes:
+            constant = scalar_constant and tensor.dim() == 0 and tensor.device.type == "cpu"
             fakes[id(tensor)] = (
-                fake_tensor(mode, tensor, dtypes.get(id(tensor))) if is_sharded(tensor) else mode.from_tensor(tensor)
+                fake_tensor(mode, tensor, dtypes.get(id(tensor)))
+                if is_sharded(tensor) or constant
+                else mode.from_tensor(tensor)
             )
         return fakes[id(tensor)]
 
     parameters = {name: fake(p) for name, p in module.named_parameters(remove_duplicate=False)}
-    buffers = {name: fake(b) for name, b in module.named_buffers(remove_duplicate=False) if b is not None}
+    # a scalar buffer is a constant over a copy of its value: BatchNorm with momentum=None reads its
+    # num_batches_tracked back (float()), which a plain fake cannot answer
+    buffers = {
+        name: fake(b, scalar_constant=True) for name, b in module.named_buffers(remove_duplicate=False) if b is not None
+    }
     return FakeTrainingState(parameters, buffers, [_fake_optimizer(mode, opt, fake) for opt in optimizers])
 
 

@@ -587,6 +587,13 @@ def cannot_predict(error: BaseException) -> CannotPredict:
     if isinstance(error, UnsupportedOperatorException):
         return CannotPredict(f"operator {op} has no fake-tensor implementation (a custom kernel?)", op)
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if "data is not allocated yet" in message:  # a fake tensor's values read outside an operator
+        return CannotPredict(
+            "the step reads tensor values outside an operator (torch.tensor() of tensors, .tolist(), .numpy(): "
+            "often logging code, such as Lightning's grad_norm logged in on_before_optimizer_step), which a fake "
+            f"trace does not have ({message[:200]})",
+            op,
+        )
     if "convert all Tensors to FakeTensors" in message:  # FakeTensorMode's words for a real tensor in an operator
         return CannotPredict(
             "the step computes with a tensor the trace cannot stand in for (a torchmetrics metric's state updated "

@@ -338,3 +338,36 @@ def test_the_compute_moment_of_a_trace_ends_where_the_update_starts() -> None:
     assert params <= computed < params + 64 * 1024  # the gradients and a few activations, no state
     assert trace.update_start_bytes - trace.resident_bytes >= params  # the gradients, alive when it starts
     assert trace.peak_bytes - trace.resident_bytes >= params + 2 * params  # the update: gradients and new state
+
+
+def test_batchnorm_without_momentum_is_traced_and_its_counter_untouched() -> None:
+    """Found by review: ``BatchNorm(momentum=None)`` reads ``float(num_batches_tracked)`` in every training forward,
+    which a plain fake cannot answer: predict fell back, blaming a data-dependent operator the user never wrote. A
+    scalar buffer is faked as a constant over a copy of its value; the real counter stays where it was."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=None), nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters())
+
+    def step(batch: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+        loss = model(batch).sum()
+        optimizers[0].zero_grad()
+        loss.backward()
+        optimizers[0].step()
+
+    result = trace_step(model, [opt], torch.randn(4, 8), 32, step)
+    assert isinstance(result, StepTrace), result
+    assert int(model[1].num_batches_tracked) == 0 and not opt.state
+
+
+def test_reading_tensor_values_outside_an_operator_is_named_for_what_it_is() -> None:
+    """Found by review: logging Lightning's ``grad_norm`` in ``on_before_optimizer_step`` builds ``torch.tensor()``
+    of tensors, and the fallback said only "data is not allocated yet"."""
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def logs_a_norm(batch: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+        model(batch).sum().backward()
+        torch.tensor([p.grad.norm() for p in model.parameters() if p.grad is not None])
+
+    result = trace_step(model, [opt], torch.zeros(2, 4), 8, logs_a_norm)
+    assert isinstance(result, CannotPredict) and "reads tensor values outside an operator" in result.reason
+    assert "grad_norm" in result.reason
