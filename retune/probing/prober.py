@@ -11,7 +11,7 @@ copied back just to be overwritten by the next one).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
@@ -33,6 +33,7 @@ from retune.memory import (
     resident_in_evaluation,
     tensor_bytes,
 )
+from retune.messages import warn
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.probing.snapshot import TrainingSnapshot, sampler_generators
 from retune.probing.timing import Clock, default_clock, samples_per_second, steady, timed
@@ -112,6 +113,7 @@ class Prober:
         self._times: list[float] | None = None  # the current trial's step seconds
         self._snapshot: TrainingSnapshot | None = None
         self._trials_run = 0  # in the current session
+        self._warned_window = False  # a manual step's trial that never stepped an optimizer: said once
         self._sharded = sharded_trials(trainer, pl_module)  # FSDP2: guarded trials, reset after a failure
         self._stats: MemoryStats | None = None  # the device allocator's statistics (CUDA), per session
         self.device_limit = device_limit
@@ -382,7 +384,12 @@ class Prober:
         manual = self.stage == "train" and not getattr(self.pl_module, "automatic_optimization", True)
         if self.steady_peaks and self.stage == "train" and (self._stats is not None or accumulating or manual):
             steps = max(2, steps)  # only a step after one of the trial's own is steady there (below)
-        batches = compat.probe_batches(self.trainer, self.stage, loader, steps)  # close() ends workers
+        # a manual step may update only every few batches (its own accumulation by batch_idx): the trial goes on
+        # until one update has run and a step after it has, with the state and accumulated gradients alive (up to
+        # MANUAL_WINDOW steps)
+        updates = _UpdateCount(self.trainer.optimizers if manual else [])
+        budget = max(steps, MANUAL_WINDOW) if manual else steps
+        batches = compat.probe_batches(self.trainer, self.stage, loader, budget)  # close() ends workers
         device = self.pl_module.device
         optimizers = list(self.trainer.optimizers) if self.stage == "train" else []
         if self.stage != "train":
@@ -394,6 +401,9 @@ class Prober:
         self._times = times
         try:
             for step, (raw, batch_idx, dataloader_idx) in enumerate(batches):
+                if manual and step >= steps and updates.before_last_step:
+                    break  # an update ran, and a step after it: the window's memory is measured
+                updates.step_starts(manual and has_gradients(list(self.trainer.optimizers)))
                 train = self.stage == "train"
                 steady = self.steady_peaks and train
                 # a step after one of this trial's holds the gradients a later training step holds (some
@@ -454,7 +464,44 @@ class Prober:
                     break
         finally:
             batches.close()
+            updates.close()
+        if manual and not updates.seen and self.trainer.optimizers and not self._warned_window:
+            self._warned_window = True
+            warn(
+                f"a trial's {budget} training steps never stepped an optimizer (a manual training_step that updates "
+                "every few batches by batch_idx?): the optimizer state its update creates is not in any probe's "
+                "peak, so the size may not fit once it exists. Step the optimizer within the first "
+                f"{MANUAL_WINDOW} batches of a trial (or raise memory.margin)",
+            )
         return peak
+
+
+MANUAL_WINDOW = 16
+"""The most steps a trial of a manual ``training_step`` runs while waiting for its first optimizer update."""
+
+
+class _UpdateCount:
+    """Counts the optimizers' ``step`` calls (``register_step_post_hook``) while a trial runs; closed after it."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self.seen = 0
+        self._at_step_start = 0
+        self.before_last_step = False
+        """Whether an update had run when the last step started, and gradients were alive: that step held the
+        state the update created and the window's accumulated gradients, as a later step of training does."""
+        self._handles = [opt.register_step_post_hook(self._count) for opt in optimizers]
+
+    def _count(self, *args: Any) -> None:
+        self.seen += 1
+
+    def step_starts(self, gradients: bool) -> None:
+        """A step starts, with ``gradients`` of the steps before alive (a window accumulating them)."""
+        self.before_last_step = self.seen > 0 and gradients
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
 
 def _holds(batch: Any, size: int) -> bool:

@@ -792,3 +792,53 @@ def test_a_time_major_batch_is_searched_with_real_probes_not_predicted_as_its_le
     auto, off = events["auto"], events["off"]
     assert auto.prediction == "probed" and "time-major" in auto.note, auto.note
     assert (auto.bucket_bounds, auto.bucket_sizes) == (off.bucket_bounds, off.bucket_sizes)
+
+
+class ManualWindow(WideMLP):
+    """Lightning's manual gradient accumulation: ``opt.step()`` every 4 batches, chosen by ``batch_idx``."""
+
+    def __init__(self, every: int = 4) -> None:
+        super().__init__(n=8192)  # an epoch of more than 4 batches at the sizes found: training reaches the update
+        self.automatic_optimization = False
+        self.every = every
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt = self.optimizers()
+        self.manual_backward(F.cross_entropy(self.net(x), y) / self.every)
+        if (batch_idx + 1) % self.every == 0:
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("predict", ["off", "auto"])
+def test_a_manual_step_that_updates_every_few_batches_is_probed_through_an_update(predict: str) -> None:
+    """Found by review: a trial of 3 steps (batch_idx 0-2) never reached the update at batch_idx 3, so Adam's state
+    was in no probe's peak, and training at the size found ran 8% over the budget (with predict on or off). A
+    trial of a manual step goes on until an update has run and a step after it, up to ``MANUAL_WINDOW`` steps."""
+    from retune.schedule.models import parse_byte_size
+    from tests.helpers.varlen import StepPeaks
+
+    torch.manual_seed(0)
+    schedule = {
+        "search": {"mode": "model", "margin": 0.0, "steps_per_trial": 3, "predict": predict},
+        "memory": {"budget": "4MiB"},
+        "triggers": [{"kind": "fit_start"}],
+    }
+    finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+    peaks = StepPeaks()
+    quiet_trainer([peaks, finder], 1, limit_train_batches=8).fit(ManualWindow())
+    assert finder.history[0].batch_size_after is not None
+    assert max(peaks.peaks) <= parse_byte_size("4MiB"), max(peaks.peaks) / parse_byte_size("4MiB")
+
+
+def test_a_manual_step_that_updates_later_than_a_trial_can_wait_is_said() -> None:
+    """Where no update runs within ``MANUAL_WINDOW`` steps, no probe holds the optimizer state: said once."""
+    from retune.messages import RetuneWarning
+    from retune.probing.prober import MANUAL_WINDOW
+
+    torch.manual_seed(0)
+    schedule = {"search": {"mode": "binsearch"}, "memory": {"budget": "4MiB"}, "triggers": [{"kind": "fit_start"}]}
+    finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+    with pytest.warns(RetuneWarning, match="never stepped an optimizer"):
+        quiet_trainer([finder], 1, limit_train_batches=2).fit(ManualWindow(every=MANUAL_WINDOW + 1))
