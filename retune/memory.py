@@ -185,10 +185,16 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         for leaf in _tensors(out):
             if _device_type(leaf) != kind:
                 continue
-            # a sharded (DTensor) result: its local shard's; a sparse one: its indices' and values'
+            # a sharded (DTensor) result: its local shard's; a sparse one: its indices' and values'. A sparse
+            # in-place result (a gradient accumulated: ``grad += new``) holds new parts in the same tensor, which
+            # the inputs, read after the operator, hold too: a sparse result's uncounted parts are all new memory
+            sparse = leaf.layout != torch.strided
             for storage in storages_of(leaf):
                 key = storage._cdata
                 if key in self._live or key in resized:
+                    continue
+                if sparse:
+                    self._track(storage, key, local(leaf).shape)
                     continue
                 if inputs is None:
                     inputs = {

@@ -322,6 +322,20 @@ def test_sparse_gradients_are_counted_by_their_parts() -> None:
     assert tracker.peak_bytes < embedding.weight.numel() * 4  # not a dense gradient's
 
 
+def test_accumulated_sparse_gradients_stay_counted() -> None:
+    """Found by review: a sparse gradient accumulated in place (``grad += new``, a second backward) holds new
+    indices and values in the same tensor; read after the operator, they looked like its input's and went
+    uncounted while the old ones were freed: 0 live bytes against 135,168 of gradient."""
+    from retune.memory import gradient_bytes
+
+    embedding = nn.Embedding(10000, 64, sparse=True)
+    ids = torch.randint(0, 10000, (256,), generator=torch.Generator().manual_seed(0))
+    with CpuPeakTracker() as tracker:
+        for _ in range(3):
+            embedding(ids).sum().backward()
+            assert tracker.live_bytes >= gradient_bytes(embedding) > 0
+
+
 class SparseEmbedding(pl.LightningModule):  # type: ignore[misc,name-defined]
     def __init__(self) -> None:
         super().__init__()

@@ -205,6 +205,7 @@ def search_buckets(
         search.recheck = recheck
         result.memory = search.run(order)
         result.capacity = [search.capacity.get(b) for b in range(count)]
+        result.unordered = list(search.unordered)
     # a size that fits longer samples fits shorter ones: carry the best known fit down the lengths
     best: int | None = None
     for bucket in sorted(range(count), key=lambda b: (-largest[b], b)):
@@ -325,6 +326,8 @@ class _ModelSearch:
         self.slopes: dict[int, float] = {}
         self.anchor: int | None = None
         self.capacity: dict[int, float] = {}
+        self.unordered: list[int] = []
+        """Buckets whose own probes' line contradicted the longer buckets' fit they started from."""
 
     def run(self, order: list[int]) -> BucketMemory | None:
         # the anchor (longest samples) first, then the shortest (later buckets interpolate between the
@@ -336,16 +339,17 @@ class _ModelSearch:
             if self.anchor is None:
                 self.anchor = bucket
             self._bound_by(bucket, done)
-            while len(self.trials) < self.max_trials:
-                size = self._next(bucket)
-                if size is None:
-                    break
-                _, peak = _record(self.trials, self.measure, bucket, size, self.lo, self.hi)
-                if peak is not None:
-                    self.points.append((size, self.largest[bucket], peak))
-                    self.measured.append(bucket)
-                    self.own[bucket][size] = peak
-                self._reread()
+            carried = self.lo[bucket] if self.lo[bucket] not in self.own[bucket] else None
+            self._probe(bucket)
+            if carried is not None and self.lo[bucket] == carried and carried not in self.own[bucket]:
+                # the longer buckets' fit it started from, never its own: where its own probes' line reaches the
+                # limit below it, memory did not grow with the sample size here (see carried_down)
+                line = self._own_line(bucket) if self.own[bucket] else None
+                if line is not None and line[1] > 0 and (self.limit - line[0]) / line[1] < carried:
+                    self.unordered.append(bucket)
+                    fits = [s for s, peak in self.own[bucket].items() if peak <= self.limit]
+                    self.lo[bucket] = max(fits) if fits else None
+                    self._probe(bucket)  # on its own line, below what it measured to fail
             line = self._own_line(bucket)
             if line is not None and bucket == self.anchor and self.fixed is None:
                 self.fixed = line[0]
@@ -361,6 +365,19 @@ class _ModelSearch:
             return self.prior
         slopes = tuple(self.slopes.get(b) for b in range(len(self.largest)))
         return BucketMemory(self.fixed, slopes, fit_model(self.points))
+
+    def _probe(self, bucket: int) -> None:
+        """Probe ``bucket`` until its size is found or the search's trials run out."""
+        while len(self.trials) < self.max_trials:
+            size = self._next(bucket)
+            if size is None:
+                break
+            _, peak = _record(self.trials, self.measure, bucket, size, self.lo, self.hi)
+            if peak is not None:
+                self.points.append((size, self.largest[bucket], peak))
+                self.measured.append(bucket)
+                self.own[bucket][size] = peak
+            self._reread()
 
     def _reread(self) -> None:
         """Every point as the verdict reads it now (:attr:`recheck`)."""

@@ -387,6 +387,7 @@ class Prober:
         # a manual step may update only every few batches (its own accumulation by batch_idx): the trial goes on
         # until one update has run and a step after it has, with the state and accumulated gradients alive (up to
         # MANUAL_WINDOW steps)
+        manual = manual and bool(self.trainer.optimizers)  # a manual step without optimizers: nothing to wait for
         updates = _UpdateCount(self.trainer.optimizers if manual else [])
         budget = max(steps, MANUAL_WINDOW) if manual else steps
         batches = compat.probe_batches(self.trainer, self.stage, loader, budget)  # close() ends workers
@@ -401,9 +402,9 @@ class Prober:
         self._times = times
         try:
             for step, (raw, batch_idx, dataloader_idx) in enumerate(batches):
-                if manual and step >= steps and updates.before_last_step:
-                    break  # an update ran, and a step after it: the window's memory is measured
-                updates.step_starts(manual and has_gradients(list(self.trainer.optimizers)))
+                if manual and step >= steps and updates.window_measured:
+                    break  # an update ran, and a step after it as training has it: the window's memory is measured
+                updates.step_starts(manual and _any_gradient(self.trainer.optimizers))
                 train = self.stage == "train"
                 steady = self.steady_peaks and train
                 # a step after one of this trial's holds the gradients a later training step holds (some
@@ -450,7 +451,10 @@ class Prober:
                     before = self._trial_phases
                     self._trial_phases = here if before is None else tuple(map(max, before, here))
                 # unmarked, a step that created the state is bounded only where no later step of the trial measures
-                measured_later = phases is not None and not phases.marked and created > 0 and step + 1 < steps
+                # a manual trial always goes on past the step that created the state (the window rule above)
+                measured_later = (
+                    phases is not None and not phases.marked and created > 0 and (manual or step + 1 < steps)
+                )
                 if step_peak is not None and phases is not None and steady and not measured_later:
                     # as a later step has it: the state this one created, the gradients of a step before
                     step_peak += phases.steady(created) - phases.peak
@@ -460,12 +464,12 @@ class Prober:
                 # accumulating, the trial's second step is a window's later micro-batch (no zero_grad: backward
                 # holds the gradients), measured as it runs; the first one's steady sum would only bound it
                 steady_now = had_state or (phases is not None and (step > 0 or not (accumulating or measured_later)))
-                if steady and self.steady_stop and steady_now and has_optimizer_state(optimizers):
+                if steady and self.steady_stop and steady_now and not manual and has_optimizer_state(optimizers):
                     break
         finally:
             batches.close()
             updates.close()
-        if manual and not updates.seen and self.trainer.optimizers and not self._warned_window:
+        if manual and not updates.seen and not self._warned_window:
             self._warned_window = True
             warn(
                 f"a trial's {budget} training steps never stepped an optimizer (a manual training_step that updates "
@@ -476,27 +480,39 @@ class Prober:
         return peak
 
 
+def _any_gradient(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """Whether any parameter of ``optimizers`` holds a gradient (one that never gets one, a pooler, does not count)."""
+    return any(p.grad is not None for opt in optimizers for group in opt.param_groups for p in group["params"])
+
+
 MANUAL_WINDOW = 16
 """The most steps a trial of a manual ``training_step`` runs while waiting for its first optimizer update."""
 
 
 class _UpdateCount:
-    """Counts the optimizers' ``step`` calls (``register_step_post_hook``) while a trial runs; closed after it."""
+    """Counts the optimizers' ``step`` calls (``register_step_post_hook``) while a trial of a manual step runs, to
+    tell when the trial has measured what training holds; closed after it."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self.seen = 0
-        self._at_step_start = 0
-        self.before_last_step = False
-        """Whether an update had run when the last step started, and gradients were alive: that step held the
-        state the update created and the window's accumulated gradients, as a later step of training does."""
+        self._at_start = 0
+        self._after_update = False
+        self._with_gradients = False
         self._handles = [opt.register_step_post_hook(self._count) for opt in optimizers]
 
     def _count(self, *args: Any) -> None:
         self.seen += 1
 
     def step_starts(self, gradients: bool) -> None:
-        """A step starts, with ``gradients`` of the steps before alive (a window accumulating them)."""
-        self.before_last_step = self.seen > 0 and gradients
+        """A step starts, with ``gradients`` of the steps before alive or not."""
+        self._at_start, self._after_update, self._with_gradients = self.seen, self.seen > 0, gradients
+
+    @property
+    def window_measured(self) -> bool:
+        """Whether the last step ran as a later step of training does: it started after an update (with the state
+        it created), and either with the gradients of the step before alive (a window accumulating them) or
+        updating itself (a step that updates every batch, zeroing after its update, accumulates nothing)."""
+        return self._after_update and (self._with_gradients or self.seen > self._at_start)
 
     def close(self) -> None:
         for handle in self._handles:

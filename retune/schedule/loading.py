@@ -42,7 +42,7 @@ def load_schedule(source: ScheduleSource) -> RetuneSchedule:
         # validated again: ``model_copy(update=...)`` and attribute writes through ``object.__setattr__`` skip
         # validation, so an edited schedule may hold a value no file could (a typo'd predict that would search
         # without it in silence)
-        return validate_data(source.model_dump(mode="python"), f"<{type(source).__name__}>")
+        return validate_data(source.model_dump(mode="python", exclude_unset=True), f"<{type(source).__name__}>")
     if isinstance(source, Mapping):
         return validate_data(dict(source), "<dict>")
     if isinstance(source, (str, Path)):

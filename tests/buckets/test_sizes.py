@@ -64,3 +64,23 @@ def test_a_bucket_whose_own_probes_cost_more_than_longer_samples_is_not_raised_t
     assert result.found[0] is not None and result.found[0] <= truth[0], (result.found, truth)
     assert any(t.bucket == 0 and t.fits and t.batch_size == result.found[0] for t in result.trials), "its own probe"
     assert result.unordered == [0]
+
+
+def test_a_middle_bucket_that_costs_more_than_longer_samples_is_sized_by_its_own_probes() -> None:
+    """Found by review of the fix above: a bucket searched after a longer, cheaper one starts from that bucket's fit
+    (``_bound_by``), and where its own first probe above it failed it kept that fit: 113 for a bucket whose own
+    line allows 9, at 11.3 times the limit. A carried fit its own probes' line contradicts is dropped and the
+    bucket is probed on its own line."""
+    limit = 24 * 2**20
+    largest = (500, 896, 1024, 9216)
+    per_sample = {0: 500 * 200, 1: 12544 * 200, 2: 1024 * 200, 3: 9216 * 200}
+
+    def measure(bucket: int, size: int) -> tuple[bool, int | None]:
+        peak = 2**20 + size * per_sample[bucket]
+        return peak <= limit, peak
+
+    result = search_buckets(largest, (300, 185, 113, 2), measure, limit, start=2, max_trials=25, tolerance=0.05)
+    truth = [(limit - 2**20) // per_sample[b] for b in range(4)]
+    assert all(f is not None and f <= t for f, t in zip(result.found, truth, strict=True)), (result.found, truth)
+    assert result.found[1] == truth[1] and 1 in result.unordered
+    assert any(t.bucket == 1 and t.fits and t.batch_size == result.found[1] for t in result.trials)
