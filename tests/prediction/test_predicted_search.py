@@ -842,3 +842,23 @@ def test_a_manual_step_that_updates_later_than_a_trial_can_wait_is_said() -> Non
     finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
     with pytest.warns(RetuneWarning, match="never stepped an optimizer"):
         quiet_trainer([finder], 1, limit_train_batches=2).fit(ManualWindow(every=MANUAL_WINDOW + 1))
+
+
+def test_a_manual_window_whose_update_is_the_peak_is_predicted_to_the_probes_size() -> None:
+    """Found by review: a verifying probe of a manual step that updates every 4 batches bounded the step that
+    created the state (its update the peak: the state counted twice) and stopped there, so predict raised "no
+    train batch size fits" where real probes find the size."""
+    sizes = {}
+    for predict in ("off", "auto"):
+        torch.manual_seed(0)
+        model = ManualWindow()
+        model.net = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        schedule = {
+            "search": {"mode": "binsearch", "margin": 0.0, "predict": predict},
+            "memory": {"budget": "26MiB"},
+            "triggers": [{"kind": "fit_start"}],
+        }
+        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+        quiet_trainer([finder], 1, limit_train_batches=2).fit(model)
+        sizes[predict] = finder.history[0].batch_size_after
+    assert sizes["auto"] == sizes["off"], sizes
