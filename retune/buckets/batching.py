@@ -149,7 +149,13 @@ class BucketSearch:
             replaying = self.buckets.replays is True and before is not None and not sharded
 
             def tracer_for(bucket: int) -> Tracer:
-                tracer = Tracer(job.trainer, prober.pl_module, batches.get(bucket), optimizer=phase)
+                tracer = Tracer(
+                    job.trainer,
+                    prober.pl_module,
+                    batches.get(bucket),
+                    optimizer=phase,
+                    batch_arg_name=prober.batch_arg_name,
+                )
                 if tracer.batch is None:
                     arrange = prober.arrange
                     prober.arrange = arrange_of(bucket)

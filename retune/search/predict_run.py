@@ -121,6 +121,9 @@ class Tracer:
     :meth:`replay`."""
     last: Any = None
     """The last trace this tracer made (:class:`retune.prediction.trace.StepTrace`), where it made one."""
+    batch_arg_name: str | None = None
+    """The attribute the run's batch size lives in: a trace at a size holds that size there, as a probe does (a
+    step that reads ``self.batch_size``: noise or in-batch targets sized by it). None: left as it is."""
 
     def tag_size(self, lengths_change: bool = True) -> int | None:
         """The batch size to record a trace at (:func:`retune.prediction.replay.tag_size`, of the batch as the trace
@@ -213,17 +216,18 @@ class Tracer:
             # a manual step marks no phases: one step that creates the state only bounds a later one (the state
             # twice where the update is the peak); two steps, where the state does not exist yet, trace that step
             manual = not getattr(self.pl_module, "automatic_optimization", True)
-            result = trace_training_step(
-                self.trainer,
-                self.pl_module,
-                self.batch,
-                size,
-                steps=None if manual else 1,
-                optimizer=self.optimizer,
-                compute_dtypes=dtypes,
-                reduced_gradients=shards,
-                record=self.record,
-            )
+            with _batch_attr_at(self.trainer, self.pl_module, self.batch_arg_name, size):
+                result = trace_training_step(
+                    self.trainer,
+                    self.pl_module,
+                    self.batch,
+                    size,
+                    steps=None if manual else 1,
+                    optimizer=self.optimizer,
+                    compute_dtypes=dtypes,
+                    reduced_gradients=shards,
+                    record=self.record,
+                )
         self.seconds += time.perf_counter() - started
         self.traces += 1
         if isinstance(result, CannotPredict):
@@ -310,6 +314,26 @@ REPLAY_TOLERANCE = 0.01
 """How far a replay of a recorded trace may be from a trace at the same size and batch for later searches of the
 fit to replay instead of trace (the replays measured: equal to the byte, MLP to GPT-2; a step whose storages do
 not scale with its batch's dimensions is off by far more)."""
+
+
+@contextmanager
+def _batch_attr_at(trainer: Any, pl_module: Any, name: str | None, size: int) -> Iterator[None]:
+    """Inside the block, the run's batch-size attribute ``name`` holds ``size`` (where it can be read), as in a probe
+    at that size; put back after."""
+    before = None
+    if name is not None:
+        try:
+            before = compat.get_batch_attr(trainer, pl_module, name)
+        except Exception:  # no such attribute (a loader of fixed batches): nothing to hold
+            before = None
+    if name is None or before is None:
+        yield
+        return
+    compat.set_batch_attr(trainer, pl_module, name, size)
+    try:
+        yield
+    finally:
+        compat.set_batch_attr(trainer, pl_module, name, before)
 
 
 def replay_matches(
@@ -488,7 +512,9 @@ def predicted_search(
         record.seconds = time.perf_counter() - started
         record.fell_back(error.reason, warn_once)
         return None
-    tracer = Tracer(trainer, pl_module, batch, seconds=time.perf_counter() - started)
+    tracer = Tracer(
+        trainer, pl_module, batch, seconds=time.perf_counter() - started, batch_arg_name=prober.batch_arg_name
+    )
 
     def predict(trace: Callable[[int], float]) -> Prediction:
         return predict_largest(

@@ -49,6 +49,9 @@ __all__ = [
 ]
 
 MAX_TRACES = 3
+NEAR_LIMIT = 0.8
+"""A traced size whose peak is this fraction of the limit or more anchors the line near it; below, the predicted
+size is traced too (within ``MAX_TRACES``)."""
 """Traces of one prediction at most: two for the line, one more where it extrapolates far (a trace of a small
 model on a CPU can cost more than a real step: the probes correct the rest)."""
 
@@ -139,6 +142,12 @@ def predict_largest(
         line = secant_line(points, limit) or PeakLine(peak_a, 0.0)
         largest = line.largest_within(limit, upper)
         far = largest > 2 * max(points) or (1 <= largest < min(points) // 2)
+        # memory that is not linear in the batch (an in-batch similarity matrix: batch x batch) bends the line
+        # drawn from the cap: where no traced size within it is near the limit, the predicted size is traced too
+        near = max((peak for peak in points.values() if peak <= limit), default=None)
+        far = far or (
+            near is not None and near < NEAR_LIMIT * limit and largest > max(s for s in points if points[s] <= limit)
+        )
         if not far or len(points) >= max_traces or largest in points or largest < 1:
             break
         points[largest] = trace(largest)

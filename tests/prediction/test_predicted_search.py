@@ -862,3 +862,55 @@ def test_a_manual_window_whose_update_is_the_peak_is_predicted_to_the_probes_siz
         quiet_trainer([finder], 1, limit_train_batches=2).fit(model)
         sizes[predict] = finder.history[0].batch_size_after
     assert sizes["auto"] == sizes["off"], sizes
+
+
+class _SizedByAttribute(pl.LightningModule):  # type: ignore[misc,name-defined]
+    """A step that reads the run's batch-size attribute: generated samples as many as the batch (``noise``), or
+    in-batch contrastive targets ``arange(self.batch_size)`` over a batch x batch similarity (``contrastive``)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.batch_size = kind, 4
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 64))
+        self.generator = nn.Sequential(nn.Linear(32, 512), nn.ReLU(), nn.Linear(512, 64))
+        self.data = TensorDataset(torch.randn(4096, 64, generator=torch.Generator().manual_seed(0)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        if self.kind == "noise":
+            return self.net(torch.cat([x, self.generator(torch.randn(self.batch_size, 32))])).pow(2).mean()
+        z = F.normalize(self.net(x), dim=-1)
+        return F.cross_entropy(z @ z.T / 0.1, torch.arange(self.batch_size))
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["noise", "contrastive"])
+def test_a_step_that_reads_the_batch_size_attribute_is_traced_with_it_at_the_traced_size(kind: str) -> None:
+    """Found by review: the trace ran a fake batch of S samples while ``self.batch_size`` still held the sample
+    batch's 2, as no probe does: noise sized by it was predicted 20-46% low, and in-batch targets failed the trace
+    (predict fell back). A trace holds its size in the attribute, as a probe does. The contrastive step's memory
+    is quadratic in the batch (its similarity matrix): where no traced size near the limit anchors the line drawn
+    from the cap, the predicted size is traced too."""
+    sizes, events = {}, {}
+    for predict in ("off", "auto"):
+        torch.manual_seed(0)
+        schedule = {
+            "search": {"mode": "model", "margin": 0.0, "predict": predict},
+            "memory": {"budget": "4MiB"},
+            "triggers": [{"kind": "fit_start"}],
+        }
+        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+        quiet_trainer([finder], 1, limit_train_batches=2).fit(_SizedByAttribute(kind))
+        events[predict] = finder.history[0]
+        sizes[predict] = events[predict].batch_size_after
+    auto = events["auto"]
+    assert auto.prediction == "predicted", auto.note
+    assert sizes["auto"] == sizes["off"], sizes
+    assert len(auto.trials) <= len(events["off"].trials) + 1, (auto.trials, events["off"].trials)
+    if kind == "noise":
+        assert max(abs(e) for e in auto.prediction_errors if e is not None) < 0.05
