@@ -674,27 +674,32 @@ class ManualWide(WideMLP):
         opt.step()
 
 
+def _off_and_auto(make: Any, mode: str, budget: str) -> dict[str, RetuneEvent]:
+    """The fit-start search of ``make()``'s fit with ``predict: off`` and with ``auto``, each from the same seed."""
+    events = {}
+    for predict in ("off", "auto"):
+        torch.manual_seed(0)
+        schedule = {
+            "search": {"mode": mode, "margin": 0.0, "predict": predict},
+            "memory": {"budget": budget},
+            "triggers": [{"kind": "fit_start"}],
+        }
+        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+        quiet_trainer([finder], 1, limit_train_batches=2).fit(make())
+        events[predict] = finder.history[0]
+    return events
+
+
 def test_manual_optimization_whose_update_is_the_peak_is_predicted_to_the_probes_size() -> None:
     """Found by review: a manual step marks no phases, so the one step that created Adam's state was bounded by its
     peak plus that state, which counts the state twice where the update is the peak: predict raised "no train
     batch size fits" (size 1 "ran out of memory") where real probes find 736. A verifying probe of a manual step
     runs a second step (with the state) and the trace traces two, where the state does not exist yet."""
-    sizes = {}
-    for predict in ("off", "auto"):
-        torch.manual_seed(0)
-        schedule = {
-            "search": {"mode": "binsearch", "margin": 0.0, "predict": predict},
-            "memory": {"budget": "26MiB"},
-            "triggers": [{"kind": "fit_start"}],
-        }
-        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
-        quiet_trainer([finder], 1, limit_train_batches=2).fit(ManualWide())
-        event = finder.history[0]
-        sizes[predict] = event.batch_size_after
-        if predict == "auto":
-            assert event.prediction == "predicted", event.note
-            assert any(fits and size == event.batch_size_after for size, fits in event.trials)
-    assert sizes["auto"] == sizes["off"], sizes
+    events = _off_and_auto(ManualWide, "binsearch", "26MiB")
+    auto = events["auto"]
+    assert auto.prediction == "predicted", auto.note
+    assert any(fits and size == auto.batch_size_after for size, fits in auto.trials)
+    assert auto.batch_size_after == events["off"].batch_size_after
 
 
 class _PoolAfterUnfreeze(BucketModel):
@@ -848,20 +853,15 @@ def test_a_manual_window_whose_update_is_the_peak_is_predicted_to_the_probes_siz
     """Found by review: a verifying probe of a manual step that updates every 4 batches bounded the step that
     created the state (its update the peak: the state counted twice) and stopped there, so predict raised "no
     train batch size fits" where real probes find the size."""
-    sizes = {}
-    for predict in ("off", "auto"):
-        torch.manual_seed(0)
+
+    def wide_window() -> ManualWindow:
         model = ManualWindow()
         model.net = nn.Sequential(nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
-        schedule = {
-            "search": {"mode": "binsearch", "margin": 0.0, "predict": predict},
-            "memory": {"budget": "26MiB"},
-            "triggers": [{"kind": "fit_start"}],
-        }
-        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
-        quiet_trainer([finder], 1, limit_train_batches=2).fit(model)
-        sizes[predict] = finder.history[0].batch_size_after
-    assert sizes["auto"] == sizes["off"], sizes
+        return model
+
+    events = _off_and_auto(wide_window, "binsearch", "26MiB")
+    assert events["auto"].prediction == "predicted", events["auto"].note
+    assert events["auto"].batch_size_after == events["off"].batch_size_after
 
 
 class _SizedByAttribute(pl.LightningModule):  # type: ignore[misc,name-defined]
@@ -896,21 +896,10 @@ def test_a_step_that_reads_the_batch_size_attribute_is_traced_with_it_at_the_tra
     (predict fell back). A trace holds its size in the attribute, as a probe does. The contrastive step's memory
     is quadratic in the batch (its similarity matrix): where no traced size near the limit anchors the line drawn
     from the cap, the predicted size is traced too."""
-    sizes, events = {}, {}
-    for predict in ("off", "auto"):
-        torch.manual_seed(0)
-        schedule = {
-            "search": {"mode": "model", "margin": 0.0, "predict": predict},
-            "memory": {"budget": "4MiB"},
-            "triggers": [{"kind": "fit_start"}],
-        }
-        finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
-        quiet_trainer([finder], 1, limit_train_batches=2).fit(_SizedByAttribute(kind))
-        events[predict] = finder.history[0]
-        sizes[predict] = events[predict].batch_size_after
+    events = _off_and_auto(lambda: _SizedByAttribute(kind), "model", "4MiB")
     auto = events["auto"]
     assert auto.prediction == "predicted", auto.note
-    assert sizes["auto"] == sizes["off"], sizes
+    assert auto.batch_size_after == events["off"].batch_size_after
     assert len(auto.trials) <= len(events["off"].trials) + 1, (auto.trials, events["off"].trials)
     if kind == "noise":
         assert max(abs(e) for e in auto.prediction_errors if e is not None) < 0.05
