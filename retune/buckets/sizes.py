@@ -344,8 +344,8 @@ class _ModelSearch:
             if carried is not None and self.lo[bucket] == carried and carried not in self.own[bucket]:
                 # the longer buckets' fit it started from, never its own: where its own probes' line reaches the
                 # limit below it, memory did not grow with the sample size here (see carried_down)
-                line = self._own_line(bucket) if self.own[bucket] else None
-                if line is not None and line[1] > 0 and (self.limit - line[0]) / line[1] < carried:
+                capacity = self._capacity(bucket)
+                if capacity is not None and capacity < carried:
                     self.unordered.append(bucket)
                     fits = [s for s, peak in self.own[bucket].items() if peak <= self.limit]
                     self.lo[bucket] = max(fits) if fits else None
@@ -356,15 +356,20 @@ class _ModelSearch:
             measured = self._measured_slope(bucket)
             if measured is not None and measured > 0:
                 self.slopes[bucket] = measured
-            if self.own[bucket]:
-                line = self._own_line(bucket)
-                if line is not None and line[1] > 0:
-                    self.capacity[bucket] = (self.limit - line[0]) / line[1]
+            capacity = self._capacity(bucket)
+            if capacity is not None:
+                self.capacity[bucket] = capacity
             done.append(bucket)
         if self.fixed is None:
             return self.prior
         slopes = tuple(self.slopes.get(b) for b in range(len(self.largest)))
         return BucketMemory(self.fixed, slopes, fit_model(self.points))
+
+    def _capacity(self, bucket: int) -> float | None:
+        """The batch size (a fraction) at which the line through ``bucket``'s own measured peaks reaches the limit
+        (None: no peak of its own, or a line that does not grow)."""
+        line = self._own_line(bucket) if self.own[bucket] else None
+        return (self.limit - line[0]) / line[1] if line is not None and line[1] > 0 else None
 
     def _probe(self, bucket: int) -> None:
         """Probe ``bucket`` until its size is found or the search's trials run out."""

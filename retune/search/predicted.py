@@ -49,11 +49,11 @@ __all__ = [
 ]
 
 MAX_TRACES = 3
+"""Traces of one prediction at most: two for the line, one more where it extrapolates far (a trace of a small
+model on a CPU can cost more than a real step: the probes correct the rest)."""
 NEAR_LIMIT = 0.8
 """A traced size whose peak is this fraction of the limit or more anchors the line near it; below, the predicted
 size is traced too (within ``MAX_TRACES``)."""
-"""Traces of one prediction at most: two for the line, one more where it extrapolates far (a trace of a small
-model on a CPU can cost more than a real step: the probes correct the rest)."""
 
 
 @dataclass(frozen=True)
