@@ -316,7 +316,17 @@ def _summary(outcome: BucketOutcome) -> SearchResult:
     size = sizes[longest] if all(s is not None for s in sizes) else None
     result = outcome.result
     trials = [Trial(t.batch_size, t.fits) for t in result.trials]
-    return SearchResult(size, result.found[longest], result.min_failing[longest], trials)
+    unsettled = ""
+    if result.unsettled:
+        shown = ", ".join(
+            f"{b} (samples up to {outcome.buckets.largest[b]}) at {outcome.sizes[b]}" for b in result.unsettled
+        )
+        many = len(result.unsettled) > 1
+        unsettled = (
+            f"{'buckets' if many else 'bucket'} {shown} may fit more: the search stopped before it found "
+            f"{'their' if many else 'its'} largest size"
+        )
+    return SearchResult(size, result.found[longest], result.min_failing[longest], trials, unsettled=unsettled)
 
 
 def _reference_largest(outcome: BucketOutcome) -> int | None:

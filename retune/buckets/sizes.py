@@ -144,6 +144,9 @@ class BucketSearchResult:
     """Buckets whose own probes' line reaches the limit below the size longer samples fit at: memory did not grow
     with the sample size there (a collate that pads two dimensions apart), so they keep their own size
     (:func:`carried_down`)."""
+    unsettled: list[int] = field(default_factory=list)
+    """Buckets whose search ``max_trials`` cut short with a size still to probe (or before their first probe): their
+    size is the largest that fit of those tried, or a longer bucket's fit, not the largest they fit."""
 
 
 def search_buckets(
@@ -197,7 +200,9 @@ def search_buckets(
     order = sorted(targets, key=lambda b: (-largest[b], b))  # longest samples first
     trials = result.trials
     if limit is None:
-        _search_without_peaks(order, largest, uppers, measure, start, max_trials, previous, lo, hi, trials)
+        result.unsettled = _search_without_peaks(
+            order, largest, uppers, measure, start, max_trials, previous, lo, hi, trials
+        )
     else:
         search = _ModelSearch(
             largest, uppers, measure, limit, start, max_trials, previous, direction, prior, lo, hi, trials, tolerance
@@ -206,6 +211,7 @@ def search_buckets(
         result.memory = search.run(order)
         result.capacity = [search.capacity.get(b) for b in range(count)]
         result.unordered = list(search.unordered)
+        result.unsettled = search.unsettled(targets)
     # a size that fits longer samples fits shorter ones: carry the best known fit down the lengths
     best: int | None = None
     for bucket in sorted(range(count), key=lambda b: (-largest[b], b)):
@@ -364,6 +370,12 @@ class _ModelSearch:
             return self.prior
         slopes = tuple(self.slopes.get(b) for b in range(len(self.largest)))
         return BucketMemory(self.fixed, slopes, fit_model(self.points))
+
+    def unsettled(self, buckets: Sequence[int]) -> list[int]:
+        """Of ``buckets``, those with a size still to probe once the trials ran out (none where they did not)."""
+        if len(self.trials) < self.max_trials:
+            return []
+        return sorted(b for b in buckets if self._next(b) is not None)
 
     def _capacity(self, bucket: int) -> float | None:
         """The batch size (a fraction) at which the line through ``bucket``'s own measured peaks reaches the limit
@@ -633,12 +645,15 @@ def _search_without_peaks(
     lo: list[int | None],
     hi: list[int | None],
     trials: list[BucketTrial],
-) -> None:
-    """Per bucket, the fits-only search from the longer bucket's fit (or the previous size)."""
+) -> list[int]:
+    """Per bucket, the fits-only search from the longer bucket's fit (or the previous size); returns the buckets
+    whose search the trials ran out on (:attr:`BucketSearchResult.unsettled`)."""
     carried: int | None = None
-    for bucket in order:
+    unsettled: list[int] = []
+    for position, bucket in enumerate(order):
         left = max_trials - len(trials)
         if left <= 0:
+            unsettled.extend(order[position:])
             break
         upper = uppers[bucket]
         before = previous[bucket] if previous is not None else None
@@ -653,7 +668,8 @@ def _search_without_peaks(
         def fits(size: int, bucket: int = bucket) -> bool:
             return _record(trials, measure, bucket, size, lo, hi)[0]
 
-        run_search(plan, fits)
+        if run_search(plan, fits).unsettled:
+            unsettled.append(bucket)
         found = lo[bucket]
         if carried is not None and (found is None or found < carried):
             raised = below_failure(min(carried, upper), hi[bucket])
@@ -661,6 +677,7 @@ def _search_without_peaks(
         found = lo[bucket]
         if found is not None:
             carried = found if carried is None else max(carried, found)
+    return sorted(unsettled)
 
 
 __all__ = [

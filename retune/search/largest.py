@@ -85,6 +85,10 @@ class SearchResult:
     trials: list[Trial] = field(default_factory=list)
     peaks: list[int | None] = field(default_factory=list)
     model: MemoryModel | None = None
+    unsettled: str = ""
+    """Where ``max_trials`` ran out with a size still to probe, what the search left open, in words (empty: it
+    settled): ``size`` is then the largest size that fit of those tried, not the largest that fits, and the
+    event's note says so (:func:`retune.search.stage.search_stage`)."""
 
 
 def plan_search(
@@ -138,7 +142,21 @@ def run_search(plan: SearchPlan, fits: Callable[[int], bool]) -> SearchResult:
             break
         size, hint = _next_size(plan, lo, hi, hint)
     # only a failure limits the size by memory; without one the search stopped at the cap (or ran out of trials)
-    return SearchResult(_apply_margin(plan, lo, memory_bound=hi is not None), lo, hi, trials)
+    unsettled = ""
+    if size is not None and lo is not None and _next_size(plan, lo, hi, hint)[0] is not None:
+        unsettled = open_bracket(lo, hi)  # max_trials ran out with a size still to probe
+    return SearchResult(_apply_margin(plan, lo, memory_bound=hi is not None), lo, hi, trials, unsettled=unsettled)
+
+
+def open_bracket(fit: int, failed: int | None) -> str:
+    """What a search that ran out of trials knows, in words: the largest size that fit and the smallest that failed.
+
+    >>> open_bracket(714, 849), open_bracket(64, None)
+    ('714 fit and 849 failed: the sizes between were not probed', '64 fit and no larger size was probed')
+    """
+    if failed is None:
+        return f"{fit} fit and no larger size was probed"
+    return f"{fit} fit and {failed} failed: the sizes between were not probed"
 
 
 def _next_size(plan: SearchPlan, lo: int | None, hi: int | None, hint: int | None) -> tuple[int | None, int | None]:
@@ -253,6 +271,7 @@ def run_model_search(
     by_phase: dict[int, Sequence[int]] = {}
     trials: list[Trial] = []
     peaks: list[int | None] = []
+    unsettled = ""
     size: int | None = plan.start
     while size is not None:
         ok, peak = measure(size)
@@ -271,6 +290,8 @@ def run_model_search(
             for known in points:
                 points[known] = recheck(known) or points[known]
         if len(trials) >= plan.max_trials:
+            if lo is not None and _model_next(plan, lo, hi, points, limit, prior, by_phase) is not None:
+                unsettled = open_bracket(lo, hi)  # a size still to probe
             break
         size = _model_next(plan, lo, hi, points, limit, prior, by_phase)
     line = _secant(points, limit) or prior
@@ -278,7 +299,7 @@ def run_model_search(
     # either way memory limited the size; the margin cuts where the measured line reaches the limit
     capacity = (limit - line.fixed) / line.per_sample if line is not None and line.per_sample > 0 else None
     size = None if lo is None else apply_margin(plan, lo, True, capacity)
-    return SearchResult(size, lo, hi, trials, peaks, line)
+    return SearchResult(size, lo, hi, trials, peaks, line, unsettled)
 
 
 def _model_next(
@@ -420,6 +441,7 @@ __all__ = [
     "SearchResult",
     "apply_margin",
     "nearest_pair",
+    "open_bracket",
     "on_power_grid",
     "phase_lines",
     "plan_search",

@@ -37,7 +37,15 @@ from dataclasses import dataclass, field
 
 from retune.events import Trial
 from retune.prediction.line import Calibration, PeakLine, calibrate
-from retune.search.largest import MemoryModel, SearchPlan, SearchResult, apply_margin, nearest_pair, phase_lines
+from retune.search.largest import (
+    MemoryModel,
+    SearchPlan,
+    SearchResult,
+    apply_margin,
+    nearest_pair,
+    open_bracket,
+    phase_lines,
+)
 
 __all__ = [
     "Prediction",
@@ -216,6 +224,8 @@ def run_predicted_search(
         else:
             hi = size if hi is None else min(hi, size)
         if len(result.trials) >= plan.max_trials:
+            if lo is not None and _next(plan, line, calibration, measured, lo, hi, limit) is not None:
+                result.unsettled = open_bracket(lo, hi)
             break
         size = _next(plan, line, calibration, measured, lo, hi, limit)
     result.max_fitting, result.min_failing = lo, hi

@@ -195,6 +195,14 @@ def search_stage(
         raise _nothing_fits(search.what(stage), label, epoch, result)
     compat.set_batch_attr(trainer, pl_module, name, result.size)
     size_before, size_after, mean_batch = search.apply(job, before, result.size)
+    note = search.note
+    if result.unsettled:  # the size is what fit of the sizes tried, not the largest that fits: say so
+        stopped = (
+            f"search.max_trials ({config.max_trials}) ran out before the {stage} search settled: "
+            f"{result.unsettled}. Raise search.max_trials to train at the largest size that fits"
+        )
+        say(f"{where}: {stopped}", warn=True)
+        note = "; ".join(n for n in (note, stopped) if n)
     accumulate, factor = 1, 1.0
     if stage == "train":
         accumulate, factor = apply_policies(
@@ -218,7 +226,7 @@ def search_stage(
         effective_batch_size=accumulate * size_after,
         lr_factor=factor,
         mode=search.mode,
-        note=search.note,
+        note=note,
         objective=config.objective,
         samples_per_s=[] if config.objective != "throughput" else trial_rates(result.trials, prober.step_times),
         **search.event_fields(),

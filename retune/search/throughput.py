@@ -362,7 +362,7 @@ def with_choice(result: SearchResult, choice: ThroughputResult) -> SearchResult:
     max_fitting = result.max_fitting
     if failed and min_failing is not None and max_fitting is not None and min_failing <= max_fitting:
         max_fitting = max((t.batch_size for t in trials if t.fits and t.batch_size < min_failing), default=None)
-    return SearchResult(choice.size, max_fitting, min_failing, trials, result.peaks, result.model)
+    return SearchResult(choice.size, max_fitting, min_failing, trials, result.peaks, result.model, result.unsettled)
 
 
 __all__ = [

@@ -317,3 +317,14 @@ def test_oom_lowers_only_the_failing_bucket_after_recovering_the_step() -> None:
     per_epoch = len(model.batches) // 2
     for batches in (model.batches[:per_epoch], model.batches[per_epoch:]):
         assert sorted(i for b in batches for i in b) == list(range(N))
+
+
+def test_a_bucket_search_cut_short_by_max_trials_names_the_buckets_in_a_warning_and_the_event() -> None:
+    """Found by review: ``max_trials`` that ran out left buckets at a longer bucket's fit (2 samples where 97
+    fit) with an empty note. The warning and the event's note name each bucket left open, at its size."""
+    with retune_warnings() as said:
+        run = _fit(epochs=1, max_trials=3)
+    event = run["finder"].history[0]
+    assert "search.max_trials (3) ran out before the train search settled: buckets 0 (samples up to" in event.note
+    assert any("search.max_trials (3) ran out" in message for message in said), said
+    assert max(run["peaks"].peaks) <= BUDGET  # what was applied was measured to fit

@@ -84,3 +84,28 @@ def test_a_middle_bucket_that_costs_more_than_longer_samples_is_sized_by_its_own
     assert all(f is not None and f <= t for f, t in zip(result.found, truth, strict=True)), (result.found, truth)
     assert result.found[1] == truth[1] and 1 in result.unordered
     assert any(t.bucket == 1 and t.fits and t.batch_size == result.found[1] for t in result.trials)
+
+
+def test_a_bucket_search_cut_short_by_max_trials_names_the_buckets_it_left_open() -> None:
+    """``max_trials`` that ends the search before every bucket's size is pinned leaves those buckets at what fit of
+    their probes, or at a longer bucket's fit: ``unsettled`` names them (the event's note and a warning say so),
+    with peaks or without (the fits-only search, no limit); a search with the trials it needs names none."""
+    limit, longest = 100_000, (512, 128, 32)
+
+    def peak(bucket: int, size: int) -> int:
+        return 10_000 + size * longest[bucket] * 4
+
+    def measure(bucket: int, size: int) -> tuple[bool, int | None]:
+        return peak(bucket, size) <= limit, peak(bucket, size)
+
+    def fits_only(bucket: int, size: int) -> tuple[bool, int | None]:
+        return peak(bucket, size) <= limit, None
+
+    for oracle, bound in ((measure, limit), (fits_only, None)):
+        full = search_buckets(longest, (8192,) * 3, oracle, bound, start=2, max_trials=60)
+        truth = [(limit - 10_000) // (4 * s) for s in longest]
+        assert full.found == truth and not full.unsettled, (full.found, truth)
+        for max_trials in range(1, len(full.trials)):
+            cut = search_buckets(longest, (8192,) * 3, oracle, bound, start=2, max_trials=max_trials)
+            short = {b for b in range(3) if cut.found[b] != truth[b]}  # a bucket may land on its size unpinned
+            assert cut.unsettled and short <= set(cut.unsettled), (max_trials, cut.found, cut.unsettled)

@@ -636,3 +636,24 @@ def test_a_size_capped_by_max_val_is_not_cut_by_the_margin(mode: str) -> None:
     make_trainer(finder).fit(tight)
     found = finder.history[0].max_fitting
     assert found == tight.true_max() and finder.batch_size == int(found * 0.95)
+
+
+def test_a_search_cut_short_by_max_trials_says_so_in_a_warning_and_the_event() -> None:
+    """Found by review: a search whose ``max_trials`` ran out applied the largest size that fit of those it tried
+    without a word, where the user expects the largest that fits. The event's note and one warning now say what
+    was left open and what to raise; a search with the trials it needs says nothing of the kind. (The oracle
+    raises the real ``torch.OutOfMemoryError`` above its capacity.)"""
+    model = C.AttrModel()
+    finder = ScheduledBatchSizeFinder(schedule("fit_start", max_trials=2), verbose=False)
+    with retune_warnings() as said:
+        make_trainer(finder).fit(model)
+    event = finder.history[0]
+    assert [t.batch_size for t in event.trials] == [64, 128] and finder.batch_size < model.true_max()
+    stopped = "search.max_trials (2) ran out before the train search settled: 64 fit and 128 failed"
+    assert stopped in event.note, event.note
+    assert any(stopped in message for message in said), said
+
+    settled = ScheduledBatchSizeFinder(schedule("fit_start"), verbose=False)
+    with retune_warnings() as said:
+        make_trainer(settled).fit(C.AttrModel())
+    assert "max_trials" not in settled.history[0].note and not any("max_trials" in m for m in said)

@@ -57,6 +57,19 @@ def _true_max(peak: Any, limit: int, upper: int = 8192) -> int:
     return max((s for s in range(1, upper + 1) if peak(s) <= limit), default=0)
 
 
+def test_a_predicted_search_cut_short_by_max_trials_says_what_it_left_open() -> None:
+    """A prediction 30% low needs probes to correct it; with fewer trials than that the result names the bracket
+    it had (``unsettled``: the event's note), and with enough it settles on the true largest size."""
+    limit = 3_000_000
+    true_peak, traced = _curve(1e6, 1000), _curve(1e6, 700)
+    prediction, full = _search(true_peak, traced, limit)
+    assert full.size == _true_max(true_peak, limit) and not full.unsettled and len(full.trials) > 1
+    plan = SearchPlan("model", 2, len(full.trials) - 1, 0.0, 8192)
+    cut = run_predicted_search(plan, prediction, lambda s: (true_peak(s) <= limit, true_peak(s)), limit)
+    assert cut.trials == full.trials[:-1]
+    assert cut.max_fitting is not None and cut.unsettled.startswith(f"{cut.max_fitting} fit"), cut.unsettled
+
+
 @pytest.mark.parametrize(("fixed", "per_sample"), [(1e6, 1000), (5e5, 3333), (2e6, 700), (2.5e6, 1)])
 def test_an_exact_trace_costs_one_probe_on_linear_memory(fixed: float, per_sample: float) -> None:
     peak = _curve(fixed, per_sample)

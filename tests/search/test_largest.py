@@ -14,7 +14,7 @@ import pytest
 import retune.schedule.models
 import retune.search.largest
 from retune.events import Direction, Trial
-from retune.search.largest import Mode, SearchPlan, SearchResult, plan_search, run_search
+from retune.search.largest import Mode, SearchPlan, SearchResult, plan_search, run_model_search, run_search
 
 MS = range(1, 601)
 
@@ -320,6 +320,28 @@ def test_max_trials_bounds_every_probe(mode: Mode) -> None:
                 assert result.trials == full.trials[:max_trials]
                 fitting = [t.batch_size for t in result.trials if t.fits]
                 assert result.size == (max(fitting) if fitting else None)
+                # a search cut short says so (the event's note): not where it had settled, nor where nothing fit
+                cut = max_trials < len(full.trials) and result.size is not None
+                assert bool(result.unsettled) == cut, (mode, init_val, m, max_trials, result.unsettled)
+                assert not full.unsettled
+
+
+@pytest.mark.parametrize("per_sample", [1000, 3333, 70_000])
+def test_a_model_search_cut_short_by_max_trials_says_what_it_left_open(per_sample: int) -> None:
+    """``max_trials`` stops a model search before its line pinned the size: the result names the bracket it had
+    (``unsettled``), which the event's note and a warning repeat; a search given the trials it needs settles."""
+    limit = 3_000_000
+
+    def measure(size: int) -> tuple[bool, int]:
+        peak = 1_000_000 + per_sample * size
+        return peak <= limit, peak
+
+    full = run_model_search(SearchPlan("model", 2, 25, 0.0, 8192), measure, limit)
+    assert full.size == (limit - 1_000_000) // per_sample and not full.unsettled
+    for max_trials in range(1, len(full.trials)):
+        result = run_model_search(SearchPlan("model", 2, max_trials, 0.0, 8192), measure, limit)
+        assert result.trials == full.trials[:max_trials]
+        assert result.unsettled.startswith(f"{result.max_fitting} fit"), result.unsettled
 
 
 def test_max_trials_1_returns_start_if_it_fits() -> None:
