@@ -555,6 +555,30 @@ def _state_line(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: 
     return sizes[0] - per_element, per_element
 
 
+def held_bytes(raw: Any, moved: Any) -> int:
+    """Bytes of ``raw``'s storages that ``moved`` still holds: of the loader's batch (``raw``), what a training step
+    holds beside the batch the transfer made (``moved``). A copy the transfer made in place of a tensor (a
+    precision plugin's conversion: ``bf16-true`` casts float inputs, ``64-true`` widens them) replaces it:
+    Lightning's loop drops the loader's batch before the step (the copy is the step's; measured from before the
+    transfer, a probe counts it as the step's own memory), so only the tensors passed through unchanged count.
+
+    Args:
+        raw: the batch as the loader yielded it (tensors in any containers :func:`tensor_bytes` walks).
+        moved: the same batch after the transfer (``retune.compat.batch_to_device``).
+
+    >>> x, ids = torch.ones(4, 3), torch.ones(4, 7, dtype=torch.long)
+    >>> held_bytes((x, ids), (x, ids)), held_bytes((x, ids), (x.bfloat16(), ids))
+    (272, 224)
+    """
+    kept = {storage._cdata for tensor in _batch_tensors(moved, set()) for storage in storages_of(tensor)}
+    seen: dict[int, int] = {}
+    for tensor in _batch_tensors(raw, set()):
+        for storage in storages_of(tensor):
+            if storage._cdata in kept:
+                seen[storage._cdata] = storage.nbytes()
+    return sum(seen.values())
+
+
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the distinct tensor storages in a (nested) batch.
 
@@ -707,6 +731,7 @@ __all__ = [
     "StepPhases",
     "batch_tensors",
     "gradient_bytes",
+    "held_bytes",
     "device_total_bytes",
     "has_gradients",
     "has_optimizer_state",

@@ -28,10 +28,10 @@ from retune.memory import (
     gradient_bytes,
     has_gradients,
     has_optimizer_state,
+    held_bytes,
     measure_peak,
     resident_bytes,
     resident_in_evaluation,
-    tensor_bytes,
 )
 from retune.messages import warn
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
@@ -396,6 +396,13 @@ class Prober:
         if self.stage != "train":
             self.pl_module.eval()  # the snapshot puts the train/eval flags back
         peak: int | None = None
+        # a trial without a steady step of its own (one step, or later batches short of `size`: a batch near the
+        # dataset's length) reads its first step as a later step has it, the state it created and the gradients of
+        # a step before alive, as a verifying probe does: its own peak is not what training at `size` holds
+        first_bound: tuple[int, tuple[int, ...] | None] | None = None
+        steady_seen = False
+        bound_first = self.stage == "train" and not self.steady_peaks and self._stats is None
+        bound_first = bound_first and not accumulating and not manual
         track = self.track_memory and not (self._untracked and device.type == "cpu")
         # the CPU tracker's Python dispatch slows every operator: steps it measures are not timed
         times: list[float] | None = [] if self.time_steps and not (track and device.type == "cpu") else None
@@ -410,7 +417,10 @@ class Prober:
                 # a step after one of this trial's holds the gradients a later training step holds (some
                 # parameters may never get one: a pooler, an expert no token reached)
                 had_state = steady and has_optimizer_state(optimizers) and (step > 0 or has_gradients(optimizers))
-                held = resident_bytes(self.pl_module, optimizers) if steady else 0
+                bounded = bound_first and step == 0  # read as steady below unless a later step of its own is
+                held = resident_bytes(self.pl_module, optimizers) if steady or bounded else 0
+                if bound_first and step > 0 and has_optimizer_state(optimizers) and _holds(raw, size):
+                    steady_seen = True  # after a step of this trial's, with the state: as training holds `size`
                 phases: StepPhases | None = None
                 with ExitStack() as stack:
                     reading = (
@@ -422,7 +432,7 @@ class Prober:
                     )
                     marks = None
                     if (
-                        (steady or (self.record_phases and train))
+                        (steady or bounded or (self.record_phases and train))
                         and reading is not None
                         and reading.tracker is not None
                     ):
@@ -431,6 +441,8 @@ class Prober:
                     if times is not None and _holds(raw, size):
                         stack.enter_context(timed(device, self.clock, times))
                     batch = compat.batch_to_device(self.trainer, self.pl_module, raw, dataloader_idx)
+                    # of the loader's batch, what the step holds: a converted copy replaced its source (see below)
+                    raw_held = held_bytes(raw, batch) if device.type == "cpu" else 0
                     compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx, dataloader_idx)
                     if marks is not None:
                         phases = marks.finish(gradient_bytes(self.pl_module))
@@ -441,8 +453,14 @@ class Prober:
                 if reading.peak_reserved is not None:
                     self._reserved = max(self._reserved or 0, reading.peak_reserved)
                 if step_peak is not None and device.type == "cpu":
-                    step_peak += tensor_bytes(raw)
-                created = max(0, resident_bytes(self.pl_module, optimizers) - held) if steady else 0
+                    # the loader's tensors the step holds; a copy the transfer made (bf16-true's cast) is counted by
+                    # the tracker, and its source is not: Lightning's loop drops it before the step
+                    step_peak += raw_held
+                created = max(0, resident_bytes(self.pl_module, optimizers) - held) if steady or bounded else 0
+                if bounded and step_peak is not None and phases is not None:
+                    base = step_peak - phases.peak
+                    parts = tuple(base + part for part in phases.steady_parts(created)) if phases.marked else None
+                    first_bound = (base + phases.steady(created), parts)
                 if step_peak is not None and phases is not None and phases.marked and self.record_phases:
                     # each phase on the step's scale (what is resident, the batch), the highest of the trial's steps
                     parts = phases.steady_parts(created) if steady else (phases.forward, phases.backward, phases.update)
@@ -469,6 +487,11 @@ class Prober:
         finally:
             batches.close()
             updates.close()
+        if first_bound is not None and not steady_seen:
+            bound, parts = first_bound
+            peak = bound if peak is None else max(peak, bound)
+            if self._trial_phases is not None and parts is not None and len(parts) == len(self._trial_phases):
+                self._trial_phases = tuple(map(max, self._trial_phases, parts))  # the phases on the same reading
         if manual and not updates.seen and not self._warned_window:
             self._warned_window = True
             warn(
