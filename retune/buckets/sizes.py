@@ -653,7 +653,8 @@ def _search_without_peaks(
     for position, bucket in enumerate(order):
         left = max_trials - len(trials)
         if left <= 0:
-            unsettled.extend(order[position:])
+            # a bucket not reached has something to probe, unless a longer bucket's fit already reaches its cap
+            unsettled.extend(b for b in order[position:] if not (carried and carried >= uppers[b] and hi[b] is None))
             break
         upper = uppers[bucket]
         before = previous[bucket] if previous is not None else None

@@ -31,6 +31,7 @@ from retune.compat.combined_loaders import length_of, train_loaders
 from retune.compat.data import (
     batch_to_device,
     check_source,
+    convert_input,
     dataloader_hook,
     dataloader_source,
     dataset_length,
@@ -38,6 +39,7 @@ from retune.compat.data import (
     probe_batches,
     reload_dataloader,
     request_dataloader,
+    transfer_batch,
 )
 from retune.compat.distributed import (
     all_gather_object,
@@ -84,6 +86,7 @@ __all__ = [
     "batch_index",
     "batch_is_accumulating",
     "batch_to_device",
+    "convert_input",
     "broadcast_object",
     "callback_base_classes",
     "check_oom_trigger",
@@ -136,4 +139,5 @@ __all__ = [
     "unshare_spawned_weights",
     "without_attached",
     "wrap_eval_step",
+    "transfer_batch",
 ]

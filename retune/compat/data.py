@@ -123,9 +123,20 @@ def batch_to_device(trainer: Any, pl_module: Any, batch: Any, dataloader_idx: in
     """The same transfer the loops do: on 2.x the precision's ``convert_input`` (``16-true``, ``64-true``
     cast the inputs), then ``on_before_batch_transfer``, then the strategy's. The hooks get the batch's
     ``dataloader_idx`` (0 where the step does not take one, as Lightning passes them)."""
-    convert_input = getattr(trainer.precision_plugin, "convert_input", None)
-    if convert_input is not None and not is_legacy(trainer):
-        batch = convert_input(batch)
+    return transfer_batch(trainer, pl_module, convert_input(trainer, batch), dataloader_idx)
+
+
+def convert_input(trainer: Any, batch: Any) -> Any:
+    """The first part of :func:`batch_to_device`: on 2.x the precision plugin's ``convert_input`` (``bf16-true``,
+    ``16-true``, ``64-true`` cast the float tensors; the loop then holds the cast batch, not the loader's), else
+    ``batch`` itself."""
+    convert = getattr(trainer.precision_plugin, "convert_input", None)
+    return convert(batch) if convert is not None and not is_legacy(trainer) else batch
+
+
+def transfer_batch(trainer: Any, pl_module: Any, batch: Any, dataloader_idx: int | None = None) -> Any:
+    """The rest of :func:`batch_to_device`, on a batch :func:`convert_input` made: ``on_before_batch_transfer``,
+    then the strategy's move."""
     batch = pl_module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx or 0)
     return trainer.strategy.batch_to_device(batch, dataloader_idx=dataloader_idx or 0)
 
@@ -195,6 +206,7 @@ def dataset_length(loader: Any, world_size: int) -> int | None:
 
 __all__ = [
     "batch_to_device",
+    "convert_input",
     "check_source",
     "dataloader_hook",
     "dataloader_source",
@@ -204,4 +216,5 @@ __all__ = [
     "probe_batches",
     "reload_dataloader",
     "request_dataloader",
+    "transfer_batch",
 ]

@@ -402,7 +402,7 @@ class Prober:
         first_bound: tuple[int, tuple[int, ...] | None] | None = None
         steady_seen = False
         bound_first = self.stage == "train" and not self.steady_peaks and self._stats is None
-        bound_first = bound_first and not accumulating and not manual
+        bound_first = bound_first and not manual
         track = self.track_memory and not (self._untracked and device.type == "cpu")
         # the CPU tracker's Python dispatch slows every operator: steps it measures are not timed
         times: list[float] | None = [] if self.time_steps and not (track and device.type == "cpu") else None
@@ -436,13 +436,17 @@ class Prober:
                         and reading is not None
                         and reading.tracker is not None
                     ):
-                        marks = PhaseMarks(reading.tracker, reading.grads_before)
+                        # accumulating, a bounded first step's backward holds the window's gradients too (steady)
+                        marks = PhaseMarks(reading.tracker, reading.grads_before, accumulating and bounded)
                         stack.enter_context(compat.step_marks(marks))
                     if times is not None and _holds(raw, size):
                         stack.enter_context(timed(device, self.clock, times))
-                    batch = compat.batch_to_device(self.trainer, self.pl_module, raw, dataloader_idx)
-                    # of the loader's batch, what the step holds: a converted copy replaced its source (see below)
-                    raw_held = held_bytes(raw, batch) if device.type == "cpu" else 0
+                    converted = compat.convert_input(self.trainer, raw)
+                    # of the loader's batch, what the step holds: a copy the precision plugin cast replaced its
+                    # source (see below); whatever the hooks make of the batch afterwards may keep the rest
+                    raw_held = held_bytes(raw, converted) if device.type == "cpu" else 0
+                    batch = compat.transfer_batch(self.trainer, self.pl_module, converted, dataloader_idx)
+                    del converted
                     compat.run_step(self.trainer, self.pl_module, self.stage, batch, batch_idx, dataloader_idx)
                     if marks is not None:
                         phases = marks.finish(gradient_bytes(self.pl_module))
@@ -453,8 +457,9 @@ class Prober:
                 if reading.peak_reserved is not None:
                     self._reserved = max(self._reserved or 0, reading.peak_reserved)
                 if step_peak is not None and device.type == "cpu":
-                    # the loader's tensors the step holds; a copy the transfer made (bf16-true's cast) is counted by
-                    # the tracker, and its source is not: Lightning's loop drops it before the step
+                    # the loader's tensors the step holds; a copy the precision plugin cast (bf16-true) is counted by
+                    # the tracker, and its source is not: Lightning's loop drops it before the step (a sized loader's:
+                    # a loader without a length has Lightning hold the next batch too, which no probe counts)
                     step_peak += raw_held
                 created = max(0, resident_bytes(self.pl_module, optimizers) - held) if steady or bounded else 0
                 if bounded and step_peak is not None and phases is not None:

@@ -198,8 +198,8 @@ def search_stage(
     note = search.note
     if result.unsettled:  # the size is what fit of the sizes tried, not the largest that fits: say so
         stopped = (
-            f"search.max_trials ({config.max_trials}) ran out before the {stage} search settled: "
-            f"{result.unsettled}. Raise search.max_trials to train at the largest size that fits"
+            f"search.max_trials ({config.max_trials}) ran out before the {stage} search settled "
+            f"({result.unsettled}); raise search.max_trials to let it settle"
         )
         say(f"{where}: {stopped}", warn=True)
         note = "; ".join(n for n in (note, stopped) if n)

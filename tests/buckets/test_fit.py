@@ -325,6 +325,6 @@ def test_a_bucket_search_cut_short_by_max_trials_names_the_buckets_in_a_warning_
     with retune_warnings() as said:
         run = _fit(epochs=1, max_trials=3)
     event = run["finder"].history[0]
-    assert "search.max_trials (3) ran out before the train search settled: buckets 0 (samples up to" in event.note
+    assert "search.max_trials (3) ran out before the train search settled (buckets 0 (samples up to" in event.note
     assert any("search.max_trials (3) ran out" in message for message in said), said
     assert max(run["peaks"].peaks) <= BUDGET  # what was applied was measured to fit

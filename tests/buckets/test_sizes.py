@@ -109,3 +109,13 @@ def test_a_bucket_search_cut_short_by_max_trials_names_the_buckets_it_left_open(
             cut = search_buckets(longest, (8192,) * 3, oracle, bound, start=2, max_trials=max_trials)
             short = {b for b in range(3) if cut.found[b] != truth[b]}  # a bucket may land on its size unpinned
             assert cut.unsettled and short <= set(cut.unsettled), (max_trials, cut.found, cut.unsettled)
+
+
+def test_a_bucket_the_trials_never_reached_is_not_unsettled_where_a_longer_fit_reaches_its_cap() -> None:
+    """Found by review: a fits-only search (no limit) whose trials ran out as the longest bucket settled named the
+    short bucket "unsettled", though its cap (its share of samples, 3) is below the longer bucket's fit of 100,
+    which carries down to it: nothing was left to probe there."""
+    result = search_buckets([128, 16], [1000, 3], lambda b, s: (s <= 100, None), None, start=8, max_trials=11)
+    assert result.found == [100, 3] and result.unsettled == []
+    cut = search_buckets([128, 16], [1000, 3], lambda b, s: (s <= 100, None), None, start=8, max_trials=9)
+    assert cut.unsettled == [0]  # the longest bucket's own bracket was still open (100 fit, 104 failed)

@@ -649,7 +649,7 @@ def test_a_search_cut_short_by_max_trials_says_so_in_a_warning_and_the_event() -
         make_trainer(finder).fit(model)
     event = finder.history[0]
     assert [t.batch_size for t in event.trials] == [64, 128] and finder.batch_size < model.true_max()
-    stopped = "search.max_trials (2) ran out before the train search settled: 64 fit and 128 failed"
+    stopped = "search.max_trials (2) ran out before the train search settled (64 fit and 128 failed"
     assert stopped in event.note, event.note
     assert any(stopped in message for message in said), said
 
