@@ -557,14 +557,15 @@ def _state_line(optimizer: torch.optim.Optimizer, group: dict[str, Any], dtype: 
 
 def held_bytes(raw: Any, moved: Any) -> int:
     """Bytes of ``raw``'s storages that ``moved`` still holds: of the loader's batch (``raw``), what a training step
-    holds beside the batch the transfer made (``moved``). A copy the transfer made in place of a tensor (a
-    precision plugin's conversion: ``bf16-true`` casts float inputs, ``64-true`` widens them) replaces it:
-    Lightning's loop drops the loader's batch before the step (the copy is the step's; measured from before the
-    transfer, a probe counts it as the step's own memory), so only the tensors passed through unchanged count.
+    holds beside the batch the precision plugin made of it (``moved``). A copy the plugin made in place of a tensor
+    (``bf16-true`` casts float inputs, ``64-true`` widens them) replaces it: Lightning's loop drops the loader's
+    batch before the step (the copy is the step's; measured from before the transfer, a probe counts it as the
+    step's own memory), so only the tensors passed through unchanged count.
 
     Args:
         raw: the batch as the loader yielded it (tensors in any containers :func:`tensor_bytes` walks).
-        moved: the same batch after the transfer (``retune.compat.batch_to_device``).
+        moved: the batch the precision plugin made of it (``retune.compat.convert_input``), before the hooks: what
+            they make of it may hold ``raw``'s tensors in objects no walk can see into.
 
     >>> x, ids = torch.ones(4, 3), torch.ones(4, 7, dtype=torch.long)
     >>> held_bytes((x, ids), (x, ids)), held_bytes((x, ids), (x.bfloat16(), ids))

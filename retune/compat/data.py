@@ -206,8 +206,8 @@ def dataset_length(loader: Any, world_size: int) -> int | None:
 
 __all__ = [
     "batch_to_device",
-    "convert_input",
     "check_source",
+    "convert_input",
     "dataloader_hook",
     "dataloader_source",
     "dataset_length",
