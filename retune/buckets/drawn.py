@@ -333,6 +333,10 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
     every rank rank zero's draws; each rank takes its share of every step. A fit resumed mid-epoch
     (``start``) skips as many batches as were trained before the checkpoint, so the epoch keeps its length;
     the draws themselves are a new pass of the user's sampler, whose generator state no checkpoint holds.
+    One rebuilt within an epoch whose draws were made (``drawn``: :meth:`drawn_for` of the sampler it replaces)
+    groups those draws again instead of passing over the user's sampler a second time: Lightning's reload at an
+    epoch start draws the epoch when it asks the length, and a search or a regroup at that epoch start rebuilds
+    the loader again; a second pass there would train the user's next pass and skip this one.
     """
 
     def __init__(
@@ -347,6 +351,7 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
         world_size: int = 1,
         rank: int = 0,
         share: ShareDraws | None = None,
+        drawn: tuple[int, list[int]] | None = None,
     ) -> None:
         super().__init__(
             buckets,
@@ -366,6 +371,8 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
         self.draws: list[int] = []
         """The indices the user's sampler drew for the epoch of :attr:`plan` (rank zero's, on every rank;
         empty until it is made)."""
+        self._given = drawn
+        """``(epoch, draws)`` made by the sampler this one replaced, used for that epoch instead of a new pass."""
         self._where = bucket_of_index(buckets)
         self._trained = 0
         """Samples the epoch's steps train across all ranks (rank zero's draws, plus any padding)."""
@@ -376,12 +383,23 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
         if callable(set_epoch):
             set_epoch(epoch)  # Lightning calls it on the user's loader's sampler: it still gets it
 
+    def drawn_for(self, epoch: int, length: int | None) -> tuple[int, list[int]] | None:
+        """``(epoch, draws)`` where this sampler drew ``epoch`` already and every draw is a position of a dataset of
+        ``length`` samples (None: not known), for the sampler that replaces it within that epoch; else None.
+        The same on every rank: the draws are rank zero's, and every rank asks its length at the same points."""
+        if self._plan is None or self._plan_epoch != epoch:
+            return None
+        if length is not None and any(index >= length for index in self.draws):
+            return None
+        return epoch, list(self.draws)
+
     @property
     def plan(self) -> list[PlannedBatch]:
         """This epoch's batches for this rank (the user's sampler is iterated once per epoch, here)."""
         if self._plan is None or self._plan_epoch != self.epoch:
             epoch = self.epoch
-            self.draws = self._draw(epoch)
+            given, self._given = self._given, None
+            self.draws = given[1] if given is not None and given[0] == epoch else self._draw(epoch)
             try:
                 steps = drawn_steps(
                     self.buckets,

@@ -25,7 +25,13 @@ from typing import Any
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from retune import compat
-from retune.buckets.drawn import DrawnBucketBatchSampler, EveryRankDraws, trims_across_ranks, why_draws_unknown
+from retune.buckets.drawn import (
+    DrawnBucketBatchSampler,
+    EveryRankDraws,
+    bucket_of_index,
+    trims_across_ranks,
+    why_draws_unknown,
+)
 from retune.buckets.loader import BucketBatchSampler, TrainLoaderHook, is_shuffled, loader_seed
 from retune.buckets.loader import with_batch_sampler as _with_batch_sampler
 from retune.buckets.plan import (
@@ -408,17 +414,26 @@ class TrainBuckets:
             self.sampler = None
             return loader
         assert isinstance(loader, DataLoader)
-        if not _indices_fit(buckets, loader.dataset):
-            self.sampler = None  # a rebuilt, shorter dataset: the epoch start regroups it (data_change)
+        if not _indices_fit(buckets, loader):
+            # a rebuilt dataset of another length: the epoch start regroups it (data_change) before it is bucketed;
+            # bucketed now, a choosing sampler would draw samples no bucket holds when Lightning asks the length
+            self.sampler = None
             return loader
         trainer = self._trainer
         epoch = int(trainer.current_epoch) if trainer is not None else 0
         if sampler_that_chooses(loader, self._world_size, self._rank) is not None:
+            drawn_epoch = compat.sampler_epoch(trainer) if trainer is not None else epoch
+            previous = self.sampler
             drawn = DrawnBucketBatchSampler(  # it draws when Lightning first asks its length: for the epoch it sets
                 buckets,
                 sizes,
                 draws_from=draws_source(loader, self._world_size, self._rank),  # a plain BatchSampler's (why_not)
-                epoch=compat.sampler_epoch(trainer) if trainer is not None else epoch,
+                epoch=drawn_epoch,
+                # rebuilt within an epoch whose draws were made (Lightning's reload, then a search or a regroup
+                # at the same epoch start): the epoch keeps them; a second pass would skip one of the user's
+                drawn=previous.drawn_for(drawn_epoch, _length(loader.dataset))
+                if isinstance(previous, DrawnBucketBatchSampler)
+                else None,
                 drop_last=bool(loader.drop_last),
                 start=compat.resumed_batches(trainer) if trainer is not None else 0,  # mid-epoch resume: continue
                 world_size=self._world_size,
@@ -841,13 +856,31 @@ class _Broadcast:
         return compat.broadcast_object(self.trainer, obj)
 
 
-def _indices_fit(buckets: Buckets, dataset: Any) -> bool:
-    """Whether every index the buckets hold exists in ``dataset`` (a rebuilt dataset may be shorter)."""
-    try:
-        length = len(dataset)
-    except TypeError:
+def _indices_fit(buckets: Buckets, loader: DataLoader[Any]) -> bool:
+    """Whether the buckets hold every sample ``loader``'s sampler can draw (:func:`candidate_indices`) and no index
+    past its dataset's end: a rebuilt dataset may be shorter, or longer (samples no bucket holds).
+
+    >>> buckets = Buckets((10,), ((0, 1, 2),), (10,))
+    >>> _indices_fit(buckets, DataLoader(range(3))), _indices_fit(buckets, DataLoader(range(4)))
+    (True, False)
+    """
+    length = _length(loader.dataset)
+    if length is None:
         return True
-    return all(not members or max(members) < length for members in buckets.members)
+    if any(members and max(members) >= length for members in buckets.members):
+        return False
+    candidates = candidate_indices(getattr(loader.batch_sampler, "sampler", None), length)
+    if isinstance(candidates, range) and candidates == range(length):  # every position: count them (all distinct)
+        return sum(len(members) for members in buckets.members) >= length
+    held = bucket_of_index(buckets)
+    return all(index in held for index in candidates)
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def _int_or_none(value: Any) -> int | None:

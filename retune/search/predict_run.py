@@ -283,9 +283,14 @@ class Tracer:
     ) -> tuple[TraceMemo | None, Any]:
         """The module's memo of traces and this trace's key (:mod:`retune.prediction.reuse`); no memo where the
         key cannot be made (a batch or optimizer state it cannot describe, a module without a hash: an ``__eq__``
-        without ``__hash__``). Under FSDP2 the dtypes each parameter is computed in are part of the key."""
+        without ``__hash__``). Whether the run accumulates gradients is part of the key (a trace of an accumulating
+        run holds the window's gradients in backward), and under FSDP2 the dtypes each parameter is computed in."""
         module = self.pl_module
-        extra = (True, tuple(str(dtypes.get(id(p))) for p in module.parameters())) if sharded else ()
+        # a run that accumulates gradients traces its window's gradients into backward (trace_training_step): a
+        # GradientAccumulationScheduler that starts accumulating changes the trace, not the training state
+        extra: tuple[Any, ...] = (self.trainer is not None and compat.get_accumulation(self.trainer) > 1,)
+        if sharded:
+            extra += (True, tuple(str(dtypes.get(id(p))) for p in module.parameters()))
         try:
             return memo_for(module), trace_key(module, optimizers, self.batch, size, *extra)
         except (Unkeyable, TypeError):  # TypeError: an unhashable module (its own walks and the memo need a hash)

@@ -205,3 +205,36 @@ def test_a_fixed_search_after_nothing_changed_runs_no_trace_and_every_fit_traces
         assert all(any(t.fits and t.batch_size >= e.batch_size_after for t in e.trials) for e in history)
         sizes.append([e.batch_size_after for e in history])
     assert sizes[0] == sizes[1]
+
+
+def test_a_search_after_gradient_accumulation_starts_traces_again(monkeypatch: Any) -> None:
+    """``GradientAccumulationScheduler`` accumulates from epoch 2: nothing in the module or the optimizer changes,
+    but a trace of an accumulating run holds the window's gradients in backward. Epoch 2's search traces again
+    (accumulation is part of the key) and its first probe fits, predicted within 1%. Before, it reused epoch 1's
+    trace and probed 725 (out of memory, -7.9%), 655 (out of memory) and 650: one probe more."""
+    from tests.helpers.lightning_ns import callbacks
+    from tests.helpers.varlen import trainer as quiet_trainer
+    from tests.prediction.test_predicted_search import WideMLP, _schedule
+
+    traced = _count_traces(monkeypatch)
+    counts: list[int] = []
+
+    class Mark(pl.Callback):  # type: ignore[misc]  # before the finder's own hook (it moves itself last)
+        def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+            counts.append(len(traced))
+
+    seed(0)
+    schedule = _schedule("model", "auto")
+    schedule["triggers"] = [{"kind": "fit_start"}, {"kind": "epoch", "at": [1, 2]}]
+    finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+    accumulate = callbacks.GradientAccumulationScheduler({0: 1, 2: 3})
+    quiet_trainer([accumulate, finder, Mark()], 3, limit_train_batches=12).fit(WideMLP())
+    marks = [*counts, len(traced)]
+    per_search = [b - a for a, b in itertools.pairwise(marks)]
+    history = finder.history
+    assert [e.prediction for e in history] == ["predicted"] * 3
+    assert per_search[2] > 0, per_search  # epoch 2 traced: not epoch 1's trace of a run without accumulation
+    assert history[2].trials[0].fits, history[2].trials
+    errors = [e for e in history[2].prediction_errors if e is not None]
+    assert errors and max(abs(e) for e in errors) < 0.01, errors
+    assert history[2].batch_size_after < history[1].batch_size_after  # the window's gradients take room
