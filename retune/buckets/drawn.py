@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.data import DistributedSampler
 
 from retune.buckets.loader import BucketBatchSampler
@@ -317,6 +318,15 @@ def _position(index: Any, sampler: Any) -> int:
         ) from None
 
 
+@dataclass(frozen=True)
+class StreamAfter:
+    """torch's global random stream where an epoch's pass over the user's sampler began (after the loader's base
+    seed draw) and where it ended: :meth:`DrawnBucketBatchSampler.__iter__` continues from ``after``."""
+
+    start: torch.Tensor
+    after: torch.Tensor
+
+
 ShareDraws = Callable[[Any], Any]
 """``share(obj)``: rank zero's ``obj`` on every rank (a collective: every rank calls it at the same point)."""
 
@@ -351,7 +361,8 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
         world_size: int = 1,
         rank: int = 0,
         share: ShareDraws | None = None,
-        drawn: tuple[int, list[int]] | None = None,
+        drawn: tuple[int, list[int], StreamAfter | None] | None = None,
+        base_seeds_ahead: Callable[[], int] | None = None,
     ) -> None:
         super().__init__(
             buckets,
@@ -372,7 +383,12 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
         """The indices the user's sampler drew for the epoch of :attr:`plan` (rank zero's, on every rank;
         empty until it is made)."""
         self._given = drawn
-        """``(epoch, draws)`` made by the sampler this one replaced, used for that epoch instead of a new pass."""
+        """``(epoch, draws, stream)`` made by the sampler this one replaced, used for that epoch instead of a new
+        pass."""
+        self.base_seeds_ahead = base_seeds_ahead
+        """How many base seeds the loader's iterators draw from torch's global RNG, from now until the sampler is
+        iterated for the epoch (a ``DataLoader`` without a ``generator`` draws one whenever it makes an iterator)."""
+        self._stream: StreamAfter | None = None
         self._where = bucket_of_index(buckets)
         self._trained = 0
         """Samples the epoch's steps train across all ranks (rank zero's draws, plus any padding)."""
@@ -383,15 +399,17 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
         if callable(set_epoch):
             set_epoch(epoch)  # Lightning calls it on the user's loader's sampler: it still gets it
 
-    def drawn_for(self, epoch: int, length: int | None) -> tuple[int, list[int]] | None:
-        """``(epoch, draws)`` where this sampler drew ``epoch`` already and every draw is a position of a dataset of
-        ``length`` samples (None: not known), for the sampler that replaces it within that epoch; else None.
-        The same on every rank: the draws are rank zero's, and every rank asks its length at the same points."""
+    def drawn_for(self, epoch: int, length: int | None) -> tuple[int, list[int], StreamAfter | None] | None:
+        """``(epoch, draws, stream)`` where this sampler drew ``epoch`` already and every draw is a position of a
+        dataset of ``length`` samples (None: not known), for the sampler that replaces it within that epoch (with
+        the global random stream its loader's iterator was to continue: :meth:`__iter__`); else None. The same
+        on every rank: the draws are rank zero's, and every rank asks its length at the same points."""
         if self._plan is None or self._plan_epoch != epoch:
             return None
         if length is not None and any(index >= length for index in self.draws):
             return None
-        return epoch, list(self.draws)
+        stream, self._stream = self._stream, None
+        return epoch, list(self.draws), stream
 
     @property
     def plan(self) -> list[PlannedBatch]:
@@ -399,7 +417,10 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
         if self._plan is None or self._plan_epoch != self.epoch:
             epoch = self.epoch
             given, self._given = self._given, None
-            self.draws = given[1] if given is not None and given[0] == epoch else self._draw(epoch)
+            if given is not None and given[0] == epoch:
+                self.draws, self._stream = given[1], given[2]
+            else:
+                self.draws = self._draw(epoch)
             try:
                 steps = drawn_steps(
                     self.buckets,
@@ -428,7 +449,7 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
         """
         failed: RetuneError | None = None
         try:
-            draws = draw_epoch(self.draws_from, epoch)
+            draws, self._stream = self._pass(epoch)
         except RetuneError as error:
             failed, draws = error, []
         else:
@@ -444,6 +465,34 @@ class DrawnBucketBatchSampler(BucketBatchSampler):
         if failed is not None:
             raise failed
         return draws
+
+    def _pass(self, epoch: int) -> tuple[list[int], StreamAfter | None]:
+        """One pass over the user's sampler, from where a plain loader's pass starts in torch's global random
+        stream: after the draws of its workers' base seed by the iterators the loop makes before the epoch's
+        first batch (``_BaseDataLoaderIter``). Retune's pass runs earlier, when Lightning asks the length, so the
+        pass runs after as many such draws, the stream is put back, and :meth:`__iter__` continues it from after
+        the pass once the iterators have drawn their seeds. A sampler on torch's RNG (a ``WeightedRandomSampler``
+        without a ``generator``) then draws what a plain run draws."""
+        ahead = self.base_seeds_ahead() if self.base_seeds_ahead is not None else 0
+        if ahead <= 0:
+            return draw_epoch(self.draws_from, epoch), None
+        before = torch.get_rng_state()
+        try:
+            for _ in range(ahead):  # each iterator's base seed, as DataLoader draws it
+                torch.empty((), dtype=torch.int64).random_()
+            start = torch.get_rng_state()
+            draws = draw_epoch(self.draws_from, epoch)
+            return draws, StreamAfter(start, torch.get_rng_state())
+        finally:
+            torch.set_rng_state(before)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        stream, self._stream = self._stream, None
+        # runs at the iterator's first batch, after it drew its base seed: where it drew it where retune's pass
+        # assumed, the stream goes on from after that pass (else it stays: something else drew in between)
+        if stream is not None and torch.equal(torch.get_rng_state(), stream.start):
+            torch.set_rng_state(stream.after)
+        yield from super().__iter__()
 
     def __len__(self) -> int:
         return len(self.plan)

@@ -17,6 +17,7 @@ batch size (``fixed``) and one warning says why.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -441,7 +442,9 @@ class TrainBuckets:
                 share=None if trainer is None else _Broadcast(trainer),  # rank zero's draws on every rank
             )
             self.sampler = drawn
-            return _with_batch_sampler(loader, drawn)
+            converted = _with_batch_sampler(loader, drawn)
+            drawn.base_seeds_ahead = _base_seeds_ahead(converted, trainer)
+            return converted
         seed = self.state.seed if self.state.seed is not None else loader_seed(loader)
         sampler = BucketBatchSampler(
             buckets,
@@ -488,7 +491,8 @@ class TrainBuckets:
                 loader = compat.request_dataloader(trainer, "train")
             self.state.seed = int(compat.broadcast_object(trainer, loader_seed(loader)))
         world = max(1, int(trainer.world_size))
-        uppers = _uppers(buckets, max_val, world, self.epoch_draws)
+        drop_last = bool(getattr(self._source, "drop_last", False))
+        uppers = _uppers(buckets, max_val, world, self.epoch_draws, drop_last)
         same_buckets = list(buckets.bounds) == self.state.bounds and len(self.state.sizes) == buckets.count
         # a warm search starts where memory was last time: the largest sizes, not a throughput cap below them
         previous: list[int | None] | None = list(self.state.fit_sizes) if same_buckets and not cold else None
@@ -534,7 +538,8 @@ class TrainBuckets:
         if traced is not None and limit is not None:
             better = None if failures else self._fewer_steps(buckets, traced, limit, max_val, margin_of, world)
             if better is not None:  # the same samples at new bounds: every bucket is searched (verified) anew
-                regrouped_from, buckets, uppers = buckets, better, _uppers(better, max_val, world, self.epoch_draws)
+                uppers = _uppers(better, max_val, world, self.epoch_draws, drop_last)
+                regrouped_from, buckets = buckets, better
             starts = predicted_start(traced, buckets, uppers, limit, previous, known_fail)
             if starts is not None:
                 previous, prior, direction = starts, traced.memory(buckets), "unknown"
@@ -619,7 +624,7 @@ class TrainBuckets:
             return margin_of(found, found < max_val, (limit - traced.fixed) / slope if slope > 0 else None)
 
         def steps(grouped: Buckets) -> int:
-            uppers = _uppers(grouped, max_val, world, self.epoch_draws)
+            uppers = _uppers(grouped, max_val, world, self.epoch_draws, bool(getattr(self._source, "drop_last", False)))
             sizes = [min(batch_for(top), upper) for top, upper in zip(grouped.largest, uppers, strict=True)]
             return count_batches(grouped, sizes, world_size=world)
 
@@ -793,22 +798,28 @@ class DataChange:
         return f"the buckets' longest samples {before} -> {after}"
 
 
-def _uppers(buckets: Buckets, max_val: int, world: int, draws: int | None = None) -> list[int]:
+def _uppers(buckets: Buckets, max_val: int, world: int, draws: int | None = None, drop_last: bool = False) -> list[int]:
     """Each bucket's largest possible batch on one rank: its share of the samples, at most ``max_val``.
 
     With a sampler that chooses what trains, at most its ``draws`` per epoch, too: a bucket holds at most
     that many of an epoch's draws (rank zero's, dealt out across the ranks), so a larger size could never
     fill a step; searching it would only cost probes, and a size no epoch fills would make ``drop_last`` drop
     the longest samples' bucket whole. (Its members still cap it: a probe's worst batch is distinct samples.)
+    With ``drop_last`` every step holds the full size on every rank, so the share rounds down: 71 samples on 2
+    ranks at 36 each made no full step, and all 71 moved up to the longest samples' bucket, one at a time.
 
-    >>> buckets = Buckets((10, 50), (tuple(range(90)), (90, 91)), (10, 50))
+    >>> buckets = Buckets((10, 50), (tuple(range(91)), (91, 92)), (10, 50))
     >>> _uppers(buckets, 64, 1), _uppers(buckets, 64, 2), _uppers(buckets, 64, 1, draws=20)
-    ([64, 2], [45, 1], [20, 2])
+    ([64, 2], [46, 1], [20, 2])
+    >>> _uppers(buckets, 64, 2, drop_last=True)
+    [45, 1]
     """
-    return [
-        max(1, min(max_val, -(-(len(members) if draws is None else min(len(members), draws)) // world)))
-        for members in buckets.members
-    ]
+
+    def share(members: int) -> int:
+        held = members if draws is None else min(members, draws)
+        return held // world if drop_last else -(-held // world)
+
+    return [max(1, min(max_val, share(len(members)))) for members in buckets.members]
 
 
 def predicted_start(
@@ -874,6 +885,25 @@ def _indices_fit(buckets: Buckets, loader: DataLoader[Any]) -> bool:
         return sum(len(members) for members in buckets.members) >= length
     held = bucket_of_index(buckets)
     return all(index in held for index in candidates)
+
+
+def _base_seeds_ahead(loader: DataLoader[Any], trainer: Any) -> Callable[[], int]:
+    """How many base seeds ``loader``'s iterators draw from torch's global RNG before its sampler is iterated for
+    the epoch (:func:`retune.compat.iterators_ahead`): none with a ``generator`` of its own, and none once an
+    iterator with persistent workers exists (it is reused; only the first draws). Holds the loader weakly (the
+    loader holds the sampler that asks)."""
+    ref = weakref.ref(loader)
+
+    def ahead() -> int:
+        live = ref()
+        if live is None or live.generator is not None:
+            return 0
+        count = compat.iterators_ahead(trainer)
+        if live.persistent_workers and live.num_workers > 0:
+            return 0 if live._iterator is not None else min(count, 1)
+        return count
+
+    return ahead
 
 
 def _length(dataset: Any) -> int | None:

@@ -64,12 +64,18 @@ def reload_dataloader(trainer: Any, stage: str) -> None:
     """Make the loop that is about to run ``stage`` iterate a dataloader built at the current batch size."""
     set_epoch = import_module(namespace_of(trainer) + ".loops.fit_loop")._set_sampler_epoch
     if is_legacy(trainer):
+        # the rebuild is retune's, not the reload ``reload_dataloaders_every_n_epochs`` schedules: the epoch of the
+        # last one stays (counted from here, the next reload came an epoch late, and that epoch trained the loader
+        # built for the one before: a curriculum's 64 tokens where a plain run trains 240)
+        last = getattr(trainer, "_last_train_dl_reload_epoch", None)
         getattr(trainer, f"reset_{stage}_dataloader")(trainer.lightning_module)
         if stage == "train":  # the loop set the epoch on the loader this one replaces (shuffle order)
+            trainer._last_train_dl_reload_epoch = last
             set_epoch(trainer.train_dataloader, trainer.fit_loop.epoch_progress.current.processed)
         return
     if stage == "train":
         loop = trainer.fit_loop
+        last = loop._last_train_dl_reload_epoch  # as on 1.9: the schedule's last reload stays
         replaced = loop._combined_loader
         seeds = _base_seeds(replaced)
         generators = [g for dl in (replaced.flattened if replaced is not None else []) for g in sampler_generators(dl)]
@@ -77,9 +83,15 @@ def reload_dataloader(trainer: Any, stage: str) -> None:
         # torch's global RNG, or the loader's own generator) a run started at this size never makes: it made
         # its draw for the loader this one replaces. Without this every later shuffle and dropout mask would
         # differ from that run's (a datamodule that keeps one generator for its loaders: its shuffles)
-        with preserved_rng(generators):
-            loop._combined_loader = None
-            loop.setup_data()
+        global _seed_given
+        given, _seed_given = _seed_given, seeds is not None
+        try:
+            with preserved_rng(generators):
+                loop._combined_loader = None
+                loop.setup_data()
+        finally:
+            _seed_given = given
+        loop._last_train_dl_reload_epoch = last
         _give_base_seeds(loop._combined_loader, seeds)  # its workers seeded as the replaced loader's were
         # the loop gave the loader this one replaces its epoch (a DistributedSampler's shuffle order);
         # without it the new loader would replay epoch 0's order
@@ -92,6 +104,34 @@ def reload_dataloader(trainer: Any, stage: str) -> None:
         return  # validation inside fit rebuilds it when it next runs
     loop.setup_data()  # validate/test/predict: the loop is starting now, as in Lightning's own finder
     loop.reset()
+
+
+_seed_given = False
+
+
+def iterators_ahead(trainer: Any) -> int:
+    """How many times the fit loop makes the train loader's iterator from now until the epoch's first batch, each
+    drawing its workers' base seed from torch's global RNG before its sampler is iterated (``retune.buckets.drawn``
+    starts a pass over a sampler on that RNG where a plain run's starts).
+
+    1.9 makes the epoch's iterator once, when the epoch runs. 2.x makes one in ``setup_data`` right after it asks
+    the new loader's length, and one more in the epoch loop's ``on_run_start`` after the first epoch (unless it is
+    resuming); in :func:`reload_dataloader` the first one's draw is put back and its seed given from the loader it
+    replaces, so it does not count."""
+    if trainer is None:
+        return 1
+    if is_legacy(trainer):
+        return 1
+    loop = trainer.fit_loop
+    fetcher = getattr(loop, "_data_fetcher", None)
+    building = loop._combined_loader is not None and getattr(fetcher, "_combined_loader", None) is not (
+        loop._combined_loader
+    )  # inside setup_data: the loader is set, the fetcher not yet set up over it (then it makes the iterator)
+    ahead = 1 if building and not _seed_given else 0
+    epoch_loop = loop.epoch_loop
+    if trainer.current_epoch > 0 and not loop.is_resuming and not epoch_loop.restarting:
+        ahead += 1  # _TrainingEpochLoop.on_run_start: iter(data_fetcher)
+    return ahead
 
 
 def _base_seeds(combined: Any) -> list[int] | None:
@@ -213,6 +253,7 @@ __all__ = [
     "dataset_length",
     "eval_batches",
     "eval_dataloaders",
+    "iterators_ahead",
     "probe_batches",
     "reload_dataloader",
     "request_dataloader",

@@ -382,6 +382,18 @@ class Replaying:
     replayed_unchecked: bool = False
     tried: bool = False
 
+    @property
+    def replays_next(self) -> bool:
+        """Whether the next call replays (about a millisecond) rather than traces: a recording exists and this fit's
+        replays matched its traces. The same on every rank (the recording and the verdict are agreed)."""
+        state = self.state
+        return (
+            state is not None
+            and state.replays is True
+            and self.source is not None
+            and not compat.is_sharded(self.tracer.trainer)
+        )
+
     def __call__(self, size: int) -> float:
         tracer, state = self.tracer, self.state
         # the same on every rank: the memo's verdict comes from agreed values, sharding is the run's
@@ -521,14 +533,20 @@ def predicted_search(
         trainer, pl_module, batch, seconds=time.perf_counter() - started, batch_arg_name=prober.batch_arg_name
     )
 
-    def predict(trace: Callable[[int], float]) -> Prediction:
+    def predict(trace: Callable[[int], float], cheap: Callable[[], bool] | None = None) -> Prediction:
         return predict_largest(
-            trace, limit, upper=plan.upper, first=plan.upper, fixed=lambda: tracer.fixed, phases=lambda: tracer.phases
+            trace,
+            limit,
+            upper=plan.upper,
+            first=plan.upper,
+            fixed=lambda: tracer.fixed,
+            phases=lambda: tracer.phases,
+            cheap=cheap,
         )
 
     try:
         replaying = Replaying(tracer, _memo_of(pl_module))
-        prediction = predict(replaying)
+        prediction = predict(replaying, lambda: replaying.replays_next)
         if replaying.replayed_unchecked:  # its first value was a replay that the fit's check did not confirm
             tracer.phases.clear()
             prediction = predict(tracer)

@@ -62,6 +62,13 @@ model on a CPU can cost more than a real step: the probes correct the rest)."""
 NEAR_LIMIT = 0.8
 """A traced size whose peak is this fraction of the limit or more anchors the line near it; below, the predicted
 size is traced too (within ``MAX_TRACES``)."""
+MAX_REPLAYS = 12
+"""Points of one prediction at most where each further point is a replay (about a millisecond: ``cheap()``):
+enough to close a bracket around the limit on memory that curves (an in-batch similarity: batch x batch)."""
+TIGHT = 1.25
+"""Where points are replays, the prediction goes on until the smallest size over the limit is within this factor of
+the largest within it: the line through that pair describes curved memory near the limit, where one through a
+distant point (the cap) overstated it 1.8-3.3x and the verifying probes crept up to the answer in steps of 1-4%."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ def predict_largest(
     fixed: Callable[[], float | None] | None = None,
     max_traces: int = MAX_TRACES,
     phases: Callable[[], Mapping[int, Sequence[float]]] | None = None,
+    cheap: Callable[[], bool] | None = None,
 ) -> Prediction:
     """The largest size the traced peak line keeps within ``limit``, from two traces where they suffice.
 
@@ -132,6 +140,19 @@ def predict_largest(
     sizes nearest the limit and the prediction is the highest: the step's peak is the highest phase's, so the
     line through its peaks at two sizes cuts across the corner where one phase overtakes another (over the true
     peak between them, by 2-5% on a small MLP after an unfreeze); the largest size keeps every phase within it.
+    ``cheap()`` (read before each further point): the next point is a replay of a recorded trace, not a trace
+    (:class:`~retune.search.predict_run.Replaying`); then up to :data:`MAX_REPLAYS` points close a bracket around
+    the limit (the largest size within it and the smallest over it, :data:`TIGHT` apart), doubling up from a size
+    far within the limit, so curved memory is read near the limit instead of along a line to the cap.
+
+    >>> curved = lambda size: 1000 + size * size  # an in-batch similarity matrix: batch x batch
+    >>> traced = predict_largest(curved, 5000, upper=4096, first=4096, fixed=lambda: 1000)
+    >>> traced.largest, traced.traced   # a line from the cap: the probes then step up from 1
+    (1, (4096, 1))
+    >>> replayed = predict_largest(curved, 5000, upper=4096, first=4096, fixed=lambda: 1000, cheap=lambda: True)
+    >>> replayed.largest, replayed.traced   # replays double up past the limit, halve to a tight bracket, and the
+    ... # line through its two sizes nearest the limit (56 and 64) reads the answer
+    (63, (4096, 1, 2, 4, 8, 16, 32, 64, 48, 56))
     """
     a = max(1, min(upper, first))
     peak_a = trace(a)
@@ -153,13 +174,22 @@ def predict_largest(
         # memory that is not linear in the batch (an in-batch similarity matrix: batch x batch) bends the line
         # drawn from the cap: where no traced size within it is near the limit, the predicted size is traced too
         near = max((peak for peak in points.values() if peak <= limit), default=None)
-        far = far or (
-            near is not None and near < NEAR_LIMIT * limit and largest > max(s for s in points if points[s] <= limit)
-        )
-        if not far or len(points) >= max_traces or largest in points or largest < 1:
+        fits = max((s for s in points if points[s] <= limit), default=None)
+        far = far or (near is not None and fits is not None and near < NEAR_LIMIT * limit and largest > fits)
+        replays = cheap is not None and cheap()
+        size = largest
+        if replays and fits is not None and fits < upper:
+            over = min((s for s in points if points[s] > limit), default=upper + 1)
+            if over > 2 * fits:  # no bracket near the limit: the line to a far point undershoots curved memory
+                grow = 2.0 if points[fits] < NEAR_LIMIT * limit else TIGHT
+                size = max(largest, min(math.ceil(grow * fits), over - 1, upper))
+            elif over > TIGHT * fits:  # a bracket, not yet tight: halve it
+                size = (fits + over) // 2
+            far = far or (over > TIGHT * fits and size not in points)
+        if not far or len(points) >= (MAX_REPLAYS if replays else max_traces) or size in points or size < 1:
             break
-        points[largest] = trace(largest)
-        order.append(largest)
+        points[size] = trace(size)
+        order.append(size)
     traced = tuple((size, points[size]) for size in order)
     lines = tuple(  # a line per phase through the two traced sizes nearest the limit, where both have them
         PeakLine(line.fixed, line.per_sample)

@@ -299,3 +299,25 @@ def test_only_the_runs_own_distributed_sampler_that_trims_has_its_draws_bucketed
     # not the run's own sharding (one process): a shard of the data, its own draws as they are
     assert sampler_that_chooses(trims, 1, 0) == "DistributedSampler"
     assert draws_source(trims, 1, 0) is trims.batch_sampler.sampler  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("chooses", [False, True], ids=["plain", "drawn"])
+def test_under_drop_last_a_bucket_capped_by_its_samples_fills_a_step_on_every_rank(chooses: bool) -> None:
+    """Found by review (2 gloo ranks, 201 samples, ``drop_last``): a bucket's size was capped at its share of the
+    samples rounded up, 36 per rank for 71 samples, so a step needed 72 and none filled: all 71 moved up, bucket
+    by bucket, into the longest samples' bucket, and trained there a few at a time (38 batches per rank where 4
+    do). Under ``drop_last`` the share rounds down: each bucket fills a step of its own."""
+    buckets = Buckets((10, 50, 100), (tuple(range(71)), tuple(range(71, 191)), tuple(range(191, 201))), (10, 50, 100))
+    before = [max(1, -(-len(m) // 2)) for m in buckets.members]  # the old cap: [36, 60, 5]
+    sizes = _uppers(buckets, 1024, 2, drop_last=True)
+    assert sizes == [35, 60, 5] and before == [36, 60, 5]
+
+    def steps(batch_sizes: list[int]) -> list[int]:  # the bucket of each step of rank 0
+        if chooses:
+            plan = drawn_steps(buckets, batch_sizes, list(range(201)), drop_last=True, world_size=2)
+            return [step.bucket for step in plan]
+        batches = epoch_batches(buckets, batch_sizes, seed=0, epoch=0, drop_last=True, world_size=2, rank=0)
+        return [batch.bucket for batch in batches]
+
+    assert len(steps(before)) == 9 and 0 not in steps(before)  # the first bucket never trained as itself
+    assert sorted(steps(sizes)) == [0, 1, 2]  # a full step of every bucket; 1 sample dropped (< 5 x 2)

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Sampler, WeightedRandomSampler
 
 from retune import ScheduledBatchSizeFinder
 from tests.helpers import bucket_data
-from tests.helpers.bucket_data import BucketModel, IndexedTokens, long_tail_lengths, pad_collate, tokens
+from tests.helpers.bucket_data import BucketModel, IndexedTokens, IndicesByEpoch, long_tail_lengths, pad_collate, tokens
 from tests.helpers.lightning_ns import pl, seed
 
 N = 200
@@ -66,19 +66,9 @@ class Rebuilt(BucketModel):
         return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler, collate_fn=pad_collate)
 
 
-class ByEpoch(pl.Callback):  # type: ignore[misc]
-    """The dataset indices ``training_step`` saw, per epoch."""
-
-    def __init__(self) -> None:
-        self.epochs: dict[int, Counter[int]] = {}
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.epochs.setdefault(int(trainer.current_epoch), Counter()).update(batch[2].tolist())
-
-
-def _fit(lengths: list[int], make_sampler: Callable[[Any], Sampler[int]], retune: bool) -> tuple[ByEpoch, Any]:
+def _fit(lengths: list[int], make_sampler: Callable[[Any], Sampler[int]], retune: bool) -> tuple[IndicesByEpoch, Any]:
     seed(0)
-    seen = ByEpoch()
+    seen = IndicesByEpoch()
     callbacks: list[Any] = [seen]
     finder = None
     if retune:
@@ -89,7 +79,7 @@ def _fit(lengths: list[int], make_sampler: Callable[[Any], Sampler[int]], retune
     return seen, finder
 
 
-def _same_as_plain(lengths: list[int], make_sampler: Callable[[Any], Sampler[int]]) -> tuple[ByEpoch, Any]:
+def _same_as_plain(lengths: list[int], make_sampler: Callable[[Any], Sampler[int]]) -> tuple[IndicesByEpoch, Any]:
     plain, _ = _fit(lengths, make_sampler, retune=False)
     tuned, finder = _fit(lengths, make_sampler, retune=True)
     assert sorted(tuned.epochs) == sorted(plain.epochs) == list(range(len(lengths)))
@@ -121,3 +111,45 @@ def test_a_choosing_sampler_over_a_dataset_that_grows_trains_every_epoch() -> No
 
     plain, _ = _same_as_plain([200, 260, 320], weighted)
     assert max(plain.epochs[2]) >= 260  # the grown part trains (before: a RetuneError at epoch 1)
+
+
+class Longest(pl.Callback):  # type: ignore[misc]
+    """The longest padded batch ``training_step`` saw, per epoch."""
+
+    def __init__(self) -> None:
+        self.longest: dict[int, int] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        epoch = int(trainer.current_epoch)
+        self.longest[epoch] = max(self.longest.get(epoch, 0), int(batch[0].shape[1]))
+
+
+def test_a_rebuild_by_retune_keeps_lightnings_reload_schedule() -> None:
+    """Found by review: with ``reload_dataloaders_every_n_epochs=2`` and a re-search at epoch 1 that changed the
+    sizes, retune's rebuild counted as Lightning's reload, so the next one came at epoch 3: epoch 2 trained the
+    loader built at epoch 1, a curriculum's 64 tokens where a plain run trains 240. The rebuild now leaves the
+    epoch of the schedule's last reload as it was."""
+    from tests.helpers.bucket_data import RebuiltCurriculum, UnfreezeAt
+
+    def fit(retune: bool) -> tuple[Longest, Any]:
+        seed(0)
+        seen = Longest()
+        callbacks: list[Any] = [seen, UnfreezeAt(1)]
+        finder = None
+        if retune:
+            schedule = bucket_data.schedule()
+            finder = ScheduledBatchSizeFinder(schedule, sample_size=tokens, verbose=False, write_report=False)
+            callbacks.append(finder)
+        model = RebuiltCurriculum(long_tail_lengths(N), at=2, before=64, after=256)
+        for module in (model.embed, model.mlp):
+            module.requires_grad_(False)
+        bucket_data.trainer(callbacks, epochs=4, reload_dataloaders_every_n_epochs=2).fit(model)
+        return seen, finder
+
+    plain, _ = fit(False)
+    tuned, finder = fit(True)
+    assert finder is not None
+    assert [e.trigger for e in finder.history][:2] == ["fit_start", "trainable_params_changed"]
+    assert finder.history[1].bucket_sizes != finder.history[0].bucket_sizes  # the re-search rebuilt the loader
+    assert plain.longest[2] > 64  # the curriculum's second stage from epoch 2
+    assert tuned.longest == plain.longest  # before: epoch 2 at 64 tokens

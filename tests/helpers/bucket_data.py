@@ -263,3 +263,14 @@ def unverified_buckets(event: Any) -> list[int]:
         if max(verified, default=0) < size:
             unverified.append(bucket)
     return unverified
+
+
+class IndicesByEpoch(pl.Callback):  # type: ignore[misc]
+    """The dataset indices ``training_step`` saw (``IndexedTokens``' third field), per epoch, as a multiset: what a
+    comparison with a plain run's epochs reads (buckets regroup the samples, so the order differs)."""
+
+    def __init__(self) -> None:
+        self.epochs: dict[int, Counter[int]] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.epochs.setdefault(int(trainer.current_epoch), Counter()).update(batch[2].tolist())

@@ -102,6 +102,55 @@ def test_curved_memory_still_ends_on_the_true_largest_size(quadratic: float) -> 
     assert all(fits == (true(size) <= 3_000_000) for size, fits in result.trials)
 
 
+@pytest.mark.parametrize("quadratic", [0.3, 0.05, 2.0])
+@pytest.mark.parametrize("per_sample", [900.0, 20.0])
+def test_replayed_points_read_curved_memory_near_the_limit_and_the_probes_settle_in_three(
+    quadratic: float, per_sample: float
+) -> None:
+    """Memory quadratic in the batch (an in-batch similarity matrix), traced exactly. Three traces draw a line to
+    the cap, which overstates the curve between: the prediction lands far below the answer and the probes creep up
+    in small steps. Where further points are replays (``cheap``: about a millisecond each), they double up from a
+    size far within the limit and close a bracket around it (sizes within ``TIGHT``), and the line through that
+    bracket predicts within 3%: three probes at most (the line to the cap took up to 18), every trial's verdict the
+    true one."""
+    from retune.search.predicted import MAX_REPLAYS, TIGHT
+
+    limit = 3_000_000
+    peak = _curve(1e6, per_sample, quadratic)
+    upper = 8192
+    plan = SearchPlan("model", 2, 25, 0.0, upper)
+
+    def search(cheap: Any) -> tuple[Prediction, Any]:
+        prediction = predict_largest(peak, limit, upper=upper, first=upper, fixed=lambda: peak(0), cheap=cheap)
+        return prediction, run_predicted_search(plan, prediction, lambda s: (peak(s) <= limit, peak(s)), limit)
+
+    _, by_traces = search(None)
+    replayed, by_replays = search(lambda: True)
+    true = _true_max(peak, limit)
+    assert by_traces.size == true
+    # the search stops where the measured peak plus one sample's memory on its line passes the limit: the line
+    # through a bracket of curved memory may read that one sample early (2000 fits at exactly the limit: 1999)
+    assert 0 <= true - by_replays.size <= 1, (by_replays.size, true)
+    assert len(replayed.points) <= MAX_REPLAYS
+    fits = max(s for s, p in replayed.points if p <= limit)
+    over = min(s for s, p in replayed.points if p > limit)
+    assert over <= TIGHT * fits, replayed.points  # a bracket around the limit
+    assert replayed.largest <= true and true - replayed.largest <= 0.03 * true, (replayed.largest, true)
+    assert len(by_replays.trials) <= min(3, len(by_traces.trials)), (by_replays.trials, by_traces.trials)
+    assert all(fits == (peak(size) <= limit) for size, fits in by_replays.trials)
+
+
+def test_replayed_points_cost_linear_memory_no_probe() -> None:
+    """On linear memory the line through the cap and the size it points to is exact: one more replay above that
+    size closes the bracket, and the search still verifies the exact size in one probe."""
+    peak = _curve(1e6, 1000)
+    prediction = predict_largest(peak, 3_000_000, upper=8192, first=8192, fixed=lambda: peak(0), cheap=lambda: True)
+    plan = SearchPlan("model", 2, 25, 0.0, 8192)
+    result = run_predicted_search(plan, prediction, lambda s: (peak(s) <= 3_000_000, peak(s)), 3_000_000)
+    assert result.size == _true_max(peak, 3_000_000) == 2000
+    assert len(result.trials) == 1 and len(prediction.points) <= 3, prediction.points
+
+
 def test_a_real_out_of_memory_error_without_a_peak_bisects_down() -> None:
     traced = _curve(1e6, 1000)  # predicts 2000; the device fails above 700 and leaves no peak
 
@@ -915,5 +964,7 @@ def test_a_step_that_reads_the_batch_size_attribute_is_traced_with_it_at_the_tra
     assert auto.prediction == "predicted", auto.note
     assert auto.batch_size_after == events["off"].batch_size_after
     assert len(auto.trials) <= len(events["off"].trials) + 1, (auto.trials, events["off"].trials)
+    if kind == "contrastive":  # replays read the curve near the limit: 380 in 2 probes (before, 10; off takes 9)
+        assert len(auto.trials) <= 2, auto.trials
     if kind == "noise":
         assert max(abs(e) for e in auto.prediction_errors if e is not None) < 0.05
