@@ -407,6 +407,11 @@ class TrainBuckets:
             return assign(scan.order, scan.sizes, self.state.bounds)  # the same samples: the bounds in force
         return plan_buckets(scan.order, scan.sizes, self.count)
 
+    @property
+    def _drop_last(self) -> bool:
+        """Whether the user's train loader drops its last partial batch (every step then holds a full size)."""
+        return bool(getattr(self._source, "drop_last", False))
+
     def _convert(self, loader: Any) -> Any:
         """What Lightning trains on: the user's loader with the buckets' batch sampler, when sizes are known."""
         buckets, sizes = self.buckets, self.state.sizes
@@ -432,7 +437,7 @@ class TrainBuckets:
                 epoch=drawn_epoch,
                 # rebuilt within an epoch whose draws were made (Lightning's reload, then a search or a regroup
                 # at the same epoch start): the epoch keeps them; a second pass would skip one of the user's
-                drawn=previous.drawn_for(drawn_epoch, _length(loader.dataset))
+                drawn=previous.drawn_for(drawn_epoch, compat.length_of(loader.dataset))
                 if isinstance(previous, DrawnBucketBatchSampler)
                 else None,
                 drop_last=bool(loader.drop_last),
@@ -491,8 +496,7 @@ class TrainBuckets:
                 loader = compat.request_dataloader(trainer, "train")
             self.state.seed = int(compat.broadcast_object(trainer, loader_seed(loader)))
         world = max(1, int(trainer.world_size))
-        drop_last = bool(getattr(self._source, "drop_last", False))
-        uppers = _uppers(buckets, max_val, world, self.epoch_draws, drop_last)
+        uppers = _uppers(buckets, max_val, world, self.epoch_draws, self._drop_last)
         same_buckets = list(buckets.bounds) == self.state.bounds and len(self.state.sizes) == buckets.count
         # a warm search starts where memory was last time: the largest sizes, not a throughput cap below them
         previous: list[int | None] | None = list(self.state.fit_sizes) if same_buckets and not cold else None
@@ -538,7 +542,7 @@ class TrainBuckets:
         if traced is not None and limit is not None:
             better = None if failures else self._fewer_steps(buckets, traced, limit, max_val, margin_of, world)
             if better is not None:  # the same samples at new bounds: every bucket is searched (verified) anew
-                uppers = _uppers(better, max_val, world, self.epoch_draws, drop_last)
+                uppers = _uppers(better, max_val, world, self.epoch_draws, self._drop_last)
                 regrouped_from, buckets = buckets, better
             starts = predicted_start(traced, buckets, uppers, limit, previous, known_fail)
             if starts is not None:
@@ -624,7 +628,7 @@ class TrainBuckets:
             return margin_of(found, found < max_val, (limit - traced.fixed) / slope if slope > 0 else None)
 
         def steps(grouped: Buckets) -> int:
-            uppers = _uppers(grouped, max_val, world, self.epoch_draws, bool(getattr(self._source, "drop_last", False)))
+            uppers = _uppers(grouped, max_val, world, self.epoch_draws, self._drop_last)
             sizes = [min(batch_for(top), upper) for top, upper in zip(grouped.largest, uppers, strict=True)]
             return count_batches(grouped, sizes, world_size=world)
 
@@ -875,7 +879,7 @@ def _indices_fit(buckets: Buckets, loader: DataLoader[Any]) -> bool:
     >>> _indices_fit(buckets, DataLoader(range(3))), _indices_fit(buckets, DataLoader(range(4)))
     (True, False)
     """
-    length = _length(loader.dataset)
+    length = compat.length_of(loader.dataset)
     if length is None:
         return True
     if any(members and max(members) >= length for members in buckets.members):
@@ -904,13 +908,6 @@ def _base_seeds_ahead(loader: DataLoader[Any], trainer: Any) -> Callable[[], int
         return count
 
     return ahead
-
-
-def _length(dataset: Any) -> int | None:
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
 
 
 def _int_or_none(value: Any) -> int | None:
