@@ -7,6 +7,7 @@ validate`` in CI stays a light, fast import.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 import yaml
 
 from retune import __version__
-from retune.errors import ScheduleError
+from retune.errors import RetuneError, ScheduleError
 from retune.schedule.loading import load_schedule
 from retune.schedule.models import RetuneSchedule
 
@@ -72,6 +73,8 @@ def _show(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from retune.demo import DemoConfig, run_demo
 
+    _import_from_cwd()  # the schedule is validated as `retune validate` does it
+
     given = {
         "schedule": args.schedule,
         "epochs": args.epochs,
@@ -86,31 +89,46 @@ def _demo(args: argparse.Namespace) -> int:
     }
     try:
         run_demo(DemoConfig(**{k: v for k, v in given.items() if v is not None}))
-    except (ScheduleError, ValueError) as exc:
+    except (ValueError, ImportError, RetuneError, OSError) as exc:  # ScheduleError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
+    from retune.events import RetuneEvent
+    from retune.lr.events import LRFindEvent
     from retune.reports import batch_size as report
     from retune.reports import lr as lr_report
 
     path = Path(args.history)
-    if _is_lr_history(path):  # ScheduledLRFinder's lr_history.json
-        what, png_name = "learning-rate history", lr_report.PNG_NAME
+    data = _json_or_none(path)
+    event_type: type[Any]
+    if lr_report.is_lr_history(data):  # ScheduledLRFinder's lr_history.json
+        what, png_name, event_type = "learning-rate history", lr_report.PNG_NAME, LRFindEvent
         read: Callable[[Path], Any] = lr_report.read_lr_history
         table: Callable[[Any], str] = lr_report.format_table
         plot: Callable[[Path, Any], Any] = lr_report.plot_lr_history
+        events_of: Callable[[Any], list[Any]] = list
     else:
-        what, png_name = "history", report.PNG_NAME
+        what, png_name, event_type = "history", report.PNG_NAME, RetuneEvent
         read, plot = report.read_history, report.plot_history
         table = lambda history: report.format_table(history.events)  # noqa: E731
+        events_of = lambda history: history.events  # noqa: E731
+    if args.plot is not None:
+        refused = _plot_path_problem(Path(args.plot), png_name)
+        if refused is not None:
+            print(f"error: --plot: {refused}", file=sys.stderr)
+            return 1
     try:
         history = read(path)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"error: {path}: cannot read a retune {what}: {exc}", file=sys.stderr)
+        problem = _events_problem(data, event_type) if isinstance(exc, TypeError) else None
+        print(f"error: {path}: cannot read a retune {what}: {problem or exc}", file=sys.stderr)
         return 1
+    if not events_of(history):
+        print(f"{path}: no events in this {what}: nothing to tabulate or plot")
+        return 0
     print(table(history))
     if args.no_plot:
         return 0
@@ -120,18 +138,67 @@ def _report(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"error: the plot needs matplotlib ({exc}); pip install matplotlib", file=sys.stderr)
         return 1
+    except OSError as exc:
+        option = "--plot: " if args.plot else ""
+        detail = exc.strerror or str(exc)
+        if exc.filename is not None and str(exc.filename) != str(png):
+            detail = f"{exc.filename}: {detail}"
+        print(f"error: {option}cannot write the plot to {str(png)!r}: {detail}", file=sys.stderr)
+        return 1
     print(f"plot: {png}")
     return 0
 
 
-def _is_lr_history(path: Path) -> bool:
-    """An ``lr_history.json`` of ScheduledLRFinder (the batch-size history has no ``kind``)."""
-    from retune.reports.lr import is_lr_history
+def _plot_path_problem(png: Path, png_name: str) -> str | None:
+    """Why ``--plot`` cannot be written (a folder, or a file where a folder above it should be), or None.
 
+    Missing folders above it are fine: the plot creates them.
+    """
+    if png.is_dir():
+        return f"{str(png)!r} is a folder; give the PNG's file name, such as {str(png / png_name)!r}"
+    for folder in png.parents:
+        if folder.exists() and not folder.is_dir():
+            return f"{str(folder)!r} is a file, not a folder (in {str(png)!r})"
+    return None
+
+
+def _json_or_none(path: Path) -> Any:
+    """The parsed JSON, or None where it cannot be read (the reader then reports why, with its own message)."""
     try:
-        return is_lr_history(json.loads(path.read_text(encoding="utf-8")))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False  # reported by the batch-size reader with its own message
+        return None
+
+
+def _events_problem(data: Any, event_type: type[Any]) -> str | None:
+    """Which entry of a history's events the reader could not turn into an ``event_type``, and why: not an object,
+    keys missing or unknown.
+
+    The readers build each event with ``event_type(**entry)``, whose TypeError names a constructor, not the entry
+    or its keys. None: no such entry found (the reader's own message says what failed).
+    """
+    events = data.get("events") if isinstance(data, dict) else data
+    if not isinstance(events, list):
+        return None
+    fields = dataclasses.fields(event_type)
+    known = {f.name for f in fields}
+    required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for i, entry in enumerate(events):
+        if not isinstance(entry, dict):
+            return f"events[{i}] is {json.dumps(entry)[:40]}, not an object of an event's fields"
+        try:
+            event_type.from_dict(dict(entry))  # the reader's own conversion: it fills some keys (an old file's)
+            continue
+        except (TypeError, ValueError, KeyError):
+            pass
+        missing = [name for name in required if name not in entry]
+        unknown = sorted(str(key) for key in entry if key not in known)
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unknown {'keys' if len(unknown) > 1 else 'key'} {', '.join(map(repr, unknown))}"] if unknown else []
+        )
+        if parts:
+            return f"events[{i}] is not a retune event: {'; '.join(parts)}"
+    return None
 
 
 def _positive(text: str) -> int:
@@ -185,8 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget",
         default=None,
         metavar="SIZE",
-        help="memory budget such as 6MiB; written into the schedule's memory.budget (default: the "
-        "schedule's, else 2MiB); see --memory for how it is enforced",
+        help="memory budget, a size with a unit such as 6MiB (a bare number is a fraction of device memory, "
+        "which a CPU has not: refused); written into the schedule's memory.budget (default: the schedule's, "
+        "else 2MiB); see --memory for how it is enforced",
     )
     p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: ./retune-demo)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: 0)")
@@ -233,13 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the loss-vs-learning-rate plot from an lr_history.json written by ScheduledLRFinder.",
     )
     p.add_argument("history", metavar="HISTORY_JSON")
-    p.add_argument(
+    plotting = p.add_mutually_exclusive_group()
+    plotting.add_argument(
         "--plot",
         metavar="PNG",
         default=None,
         help="where to write the plot (default: batch_size.png, or lr_find.png, beside the JSON)",
     )
-    p.add_argument("--no-plot", action="store_true", help="print the table only")
+    plotting.add_argument("--no-plot", action="store_true", help="print the table only")
     p.set_defaults(func=_report)
     return parser
 

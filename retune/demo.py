@@ -22,6 +22,7 @@ CPU) to it, which is what a real run on a CPU does.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import sys
 import time
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from pydantic import ValidationError
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -44,7 +46,7 @@ from retune.errors import FieldProblem, ScheduleError
 from retune.events import RetuneEvent
 from retune.reports import batch_size as report
 from retune.schedule.loading import read_schedule_file, validate_data
-from retune.schedule.models import RetuneSchedule, parse_byte_size
+from retune.schedule.models import MemoryConfig, RetuneSchedule, parse_byte_size
 
 try:
     import lightning.pytorch as pl
@@ -103,8 +105,8 @@ def load_digit_splits(seed: int, limit: int | None = None, val_fraction: float =
     """
     try:
         from sklearn.datasets import load_digits  # type: ignore[import-untyped]
-    except ImportError as exc:  # pragma: no cover - exercised only without scikit-learn
-        raise RuntimeError(
+    except ImportError as exc:
+        raise ImportError(
             "retune demo needs scikit-learn for its dataset (the digits ship inside it; nothing is "
             "downloaded): pip install scikit-learn"
         ) from exc
@@ -413,11 +415,12 @@ def resolve_schedule(
 ) -> tuple[RetuneSchedule, int, str, str]:
     """The schedule the finder runs, the budget in bytes, and where each came from.
 
-    The budget is ``--budget`` if given, else the schedule's ``memory.budget``, else
-    :data:`DEFAULT_BUDGET`. It must be an absolute size: a CPU has no "total memory" for a
-    fraction to apply to. With ``memory_mode="simulated"`` it is removed from the schedule handed
-    to the finder and enforced by :class:`SimulatedDevice`; with ``"measured"`` it stays in the
-    schedule and retune holds each probe's measured peak to it.
+    The schedule file is checked first as ``retune validate`` checks it, so a bad file gets the same
+    message. The budget is ``--budget`` if given (checked by the rules of ``memory.budget``), else
+    the schedule's ``memory.budget``, else :data:`DEFAULT_BUDGET`. It must be an absolute size: a
+    CPU has no "total memory" for a fraction to apply to. With ``memory_mode="simulated"`` it is
+    removed from the schedule handed to the finder and enforced by :class:`SimulatedDevice`; with
+    ``"measured"`` it stays in the schedule and retune holds each probe's measured peak to it.
     """
     if source is None:
         if SCHEDULE_FILE.exists():
@@ -426,29 +429,53 @@ def resolve_schedule(
             data, name = copy.deepcopy(dict(BUILTIN_SCHEDULE)), "freeze_unfreeze (built-in copy)"
     else:
         data, name = read_schedule_file(Path(source)), str(source)
-    memory = dict(data.get("memory") or {})
-    value = budget if budget is not None else memory.get("budget")
-    origin = "--budget" if budget is not None else "the schedule's memory.budget"
-    if value is None:
+    written = validate_data(data, name).memory.budget  # `retune validate`'s checks and message first
+    value: float | str
+    if budget is not None:
+        value, origin = _budget_option(budget), "--budget"
+    elif written is not None:
+        value, origin = written, "the schedule's memory.budget"
+    else:
         value, origin = DEFAULT_BUDGET, "the demo's default"
     if not isinstance(value, str):
-        field_name = "--budget" if budget is not None else f"{name}: memory.budget"
-        raise ScheduleError(
-            name,
-            [
-                FieldProblem(
-                    field_name,
-                    f"{value!r}: the demo runs on a CPU and needs an absolute size such as '2MiB', not a fraction",
-                )
-            ],
-        )
-    try:
-        budget_bytes = parse_byte_size(value)
-    except ValueError as exc:
-        raise ScheduleError(name, [FieldProblem("memory.budget", str(exc))]) from None
+        raise ScheduleError(name, [FieldProblem("memory.budget", f"{value!r}: {_NOT_A_FRACTION}")])
+    budget_bytes = parse_byte_size(value)  # validated above: a size with a unit
+    memory = dict(data.get("memory") or {})  # validated above: a mapping or nothing
     memory["budget"] = value if memory_mode == "measured" else None
     schedule = validate_data({**data, "memory": memory}, name)
     return schedule, budget_bytes, name, f"{report.format_bytes(budget_bytes)} ({origin})"
+
+
+_NOT_A_FRACTION = "the demo runs on a CPU and needs an absolute size such as '2MiB', not a fraction"
+
+
+def _budget_option(text: str) -> str:
+    """``--budget``, checked by the rules of the schedule's ``memory.budget``, then as the demo needs it."""
+    try:
+        value = MemoryConfig.model_validate({"budget": text}).budget
+    except ValidationError as exc:
+        message = "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors())
+        raise ScheduleError("--budget", [FieldProblem("", message)]) from None
+    if not isinstance(value, str):
+        raise ScheduleError("--budget", [FieldProblem("", f"{text!r}: {_NOT_A_FRACTION}")])
+    return value
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an output folder that is a file (or lies inside one) before anything runs."""
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            inside = "" if folder == out else f" (in --out {str(out)!r})"
+            raise ValueError(f"--out: {str(folder)!r} is a file, not a folder{inside}")
+
+
+def _seed_everything(seed: int) -> None:
+    """``seed_everything`` without its log line: Lightning 2 takes ``verbose``; 1.9 has no such argument (its
+    "Global seed set" line is an INFO record, which :func:`_quiet_lightning` already hides)."""
+    if "verbose" in inspect.signature(pl.seed_everything).parameters:
+        pl.seed_everything(seed, verbose=False)
+    else:
+        pl.seed_everything(seed)
 
 
 def _console(line: str) -> None:
@@ -508,7 +535,9 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
         raise ValueError(f"memory must be one of {', '.join(MEMORY_MODES)}, got {config.memory!r}")
     simulated = config.memory == "simulated"
     schedule, budget_bytes, schedule_name, budget_text = resolve_schedule(config.schedule, config.budget, config.memory)
-    pl.seed_everything(config.seed, verbose=False)
+    out = Path(config.out)
+    _check_out(out)
+    _seed_everything(config.seed)
     splits = load_digit_splits(config.seed, config.limit)
 
     say(f"retune demo: fine-tune a small CNN on scikit-learn's handwritten digits (CPU, seed {config.seed})")
@@ -523,7 +552,7 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
     t0 = time.perf_counter()
     pretrain_acc = pretrain(backbone, splits, config.pretrain_epochs, config.seed)
     say(
-        f"  pretrained the backbone on digits 0-4: {config.pretrain_epochs} epochs, "
+        f"  pretrained the backbone on digits 0-4: {_count(config.pretrain_epochs, 'epoch')}, "
         f"val accuracy {pretrain_acc:.3f} ({time.perf_counter() - t0:.1f}s)"
     )
 
@@ -531,7 +560,12 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
     probe_model = nn.Sequential(backbone, nn.Linear(FEATURES, 5))
     device_limit = SimulatedDevice(probe_model, sample, budget_bytes, enforce=simulated)
     model = DigitsFineTune(backbone, splits, device_limit, lr=config.lr)
-    frozen_max, unfrozen_max = _phase_maxima(model, device_limit)
+    frozen_max, unfrozen_max, smallest = _phase_maxima(model, device_limit)
+    if simulated and unfrozen_max < 1:
+        raise ValueError(
+            f"memory budget {budget_text} is too small for the demo: not even a batch of 1 fits once the "
+            f"backbone is unfrozen, which needs about {report.format_bytes(smallest)}"
+        )
     if simulated:
         say(
             f"  memory budget: {budget_text}, enforced by a simulated device (retune/demo.py): "
@@ -540,12 +574,11 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
     else:
         say(f"  memory budget: {budget_text}, held by retune to each probe's measured peak (tensor bytes)")
     say(
-        f"fine-tuning on digits 5-9 for {config.epochs} epochs; BackboneFinetuning unfreezes the backbone "
+        f"fine-tuning on digits 5-9 for {_count(config.epochs, 'epoch')}; BackboneFinetuning unfreezes the backbone "
         f"at epoch {config.unfreeze_at} (epochs count from 0)"
     )
 
     progress = sys.stdout.isatty() if config.progress_bar is None else config.progress_bar
-    out = Path(config.out)
     # the demo writes richer outputs itself (per-step sizes and memory); the finder prints the table
     finder = ScheduledBatchSizeFinder(schedule, write_report=False)
     unfreeze = pl.callbacks.BackboneFinetuning(unfreeze_backbone_at_epoch=config.unfreeze_at)
@@ -611,8 +644,14 @@ def _run(config: DemoConfig, write: Callable[[str], None]) -> DemoResult:
     )
 
 
-def _phase_maxima(model: DigitsFineTune, device_limit: SimulatedDevice) -> tuple[int, int]:
-    """The true largest batch with the backbone frozen and unfrozen (the simulation knows them exactly)."""
+def _count(n: int, noun: str) -> str:
+    """``1 epoch``, ``2 epochs``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _phase_maxima(model: DigitsFineTune, device_limit: SimulatedDevice) -> tuple[int, int, int]:
+    """The true largest batch with the backbone frozen and unfrozen (the simulation knows them exactly), and the
+    smallest budget in bytes under which a batch of 1 fits unfrozen."""
     saved = [p.requires_grad for p in model.backbone.parameters()]
     try:
         for p in model.backbone.parameters():
@@ -621,10 +660,11 @@ def _phase_maxima(model: DigitsFineTune, device_limit: SimulatedDevice) -> tuple
         for p in model.backbone.parameters():
             p.requires_grad = True
         unfrozen = device_limit.largest_batch(model)
+        smallest = device_limit.estimate(1, model).total
     finally:
         for p, flag in zip(model.backbone.parameters(), saved, strict=True):
             p.requires_grad = flag
-    return frozen, unfrozen
+    return frozen, unfrozen, smallest
 
 
 __all__ = [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -81,7 +82,8 @@ def validate_data(data: dict[str, Any], source: str) -> RetuneSchedule:
     try:
         schedule = RetuneSchedule.model_validate(data)
     except ValidationError as exc:
-        raise ScheduleError(source, [_problem(err) for err in exc.errors()]) from None
+        yaml_read = not source.lower().endswith((".json", ".toml"))  # a file's parser, or a dict (often YAML's)
+        raise ScheduleError(source, [_problem(err, yaml_read) for err in exc.errors()]) from None
     return schedule
 
 
@@ -219,7 +221,47 @@ def _model_at(loc: Sequence[int | str], data_kind: str | None) -> type[BaseModel
     return model
 
 
-def _problem(err: ErrorDetails) -> FieldProblem:
+def _elsewhere(key: str, here: type[BaseModel] | None) -> list[str]:
+    """Where ``key`` is a field, other than in ``here``: ``memory.budget`` for a ``budget`` under ``search``."""
+    places = [] if here is RetuneSchedule or key not in RetuneSchedule.model_fields else [f"top-level {key}"]
+    for name, field in RetuneSchedule.model_fields.items():
+        section = field.annotation
+        if isinstance(section, type) and issubclass(section, BaseModel) and section is not here:
+            places += [f"{name}.{key}"] if key in section.model_fields else []
+    return places
+
+
+def _unknown_key(loc: Sequence[int | str], key: str, shown: str) -> str:
+    model = _model_at(loc[:-1], None)
+    allowed = sorted(model.model_fields) if model is not None else []
+    hints = [] if model is None else _elsewhere(key, model)
+    hints += [repr(close) for close in difflib.get_close_matches(key, allowed, n=1)]
+    msg = f"unknown key {shown}"
+    if hints:
+        msg += f" (did you mean {' or '.join(hints)}?)"
+    if allowed:
+        msg += f"; allowed keys: {', '.join(allowed)}"
+    return msg
+
+
+_YAML11_STRING_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
+
+
+def _yaml11_number(value: Any, kind: str) -> str | None:
+    """``min_lr: 1e-7`` reaches a number field as the string '1e-7': YAML 1.1 (PyYAML) reads an exponent as a
+    number only with a dot in the mantissa and a sign in the exponent. The spelling it reads, or None."""
+    if not isinstance(value, str) or not _YAML11_STRING_NUMBER.match(value.strip()):
+        return None
+    mantissa, _, exponent = value.strip().lower().partition("e")
+    if kind == "int_type":
+        number = float(value)
+        return f"{int(number)}" if number.is_integer() else None
+    mantissa += "" if "." in mantissa else ".0"
+    mantissa = f"0{mantissa}" if mantissa.lstrip("+-").startswith(".") else mantissa
+    return f"{mantissa}e{exponent if exponent[0] in '+-' else '+' + exponent}"
+
+
+def _problem(err: ErrorDetails, yaml_read: bool = True) -> FieldProblem:
     loc = err["loc"]
     conflict = err.get("ctx", {}).get("error")
     if isinstance(conflict, FieldConflict):
@@ -228,16 +270,16 @@ def _problem(err: ErrorDetails) -> FieldProblem:
     kind = err["type"]
     value = err.get("input")
     if kind == "extra_forbidden":
-        key = str(loc[-1])
-        model = _model_at(loc[:-1], None)
-        allowed = sorted(model.model_fields) if model is not None else []
-        hint = difflib.get_close_matches(key, allowed, n=1)
-        msg = f"unknown key {key!r}"
-        if hint:
-            msg += f" (did you mean {hint[0]!r}?)"
-        if allowed:
-            msg += f"; allowed keys: {', '.join(allowed)}"
-        return FieldProblem(path, msg)
+        return FieldProblem(path, _unknown_key(loc, str(loc[-1]), repr(str(loc[-1]))))
+    if kind == "invalid_key":
+        # a key YAML read as a number, a boolean (a bare `on:`) or null: not a name; shown as written
+        where = format_path(loc[:-1])
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        what = "null" if value is None else "a number" if isinstance(value, (int, float)) else f"a {_kind(value)[2:]}"
+        if isinstance(value, bool):
+            what = "a boolean (YAML 1.1 reads a bare on, off, yes, no as one; quote it)"
+        message = _unknown_key((*loc[:-1], shown), shown, f"{shown}: a key is a name, not {what}")
+        return FieldProblem(f"{where}.{shown}" if where else shown, message)
     if kind == "missing":
         return FieldProblem(path, "required key is missing")
     if kind == "union_tag_invalid":
@@ -247,6 +289,9 @@ def _problem(err: ErrorDetails) -> FieldProblem:
         )
     if kind == "union_tag_not_found":
         return FieldProblem(path, f"a trigger needs a `kind`; allowed: {', '.join(TRIGGER_KINDS)}")
+    spelled = _yaml11_number(value, kind) if yaml_read and kind in {"int_type", "float_type"} else None
+    if spelled is not None:
+        return FieldProblem(path, f"YAML 1.1 reads {value} as the string {value!r}, not a number: write {spelled}")
     message = err["msg"].replace("valid tuple", "list")
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]

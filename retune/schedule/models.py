@@ -77,11 +77,11 @@ def parse_byte_size(text: str) -> int:
 class FieldConflict(ValueError):
     """A value that conflicts with another field's (written or defaulted), raised by a model validator.
 
-    Pydantic locates a model validator's error at the model itself; ``field`` names the key to point
-    at (``retune.schedule.loading`` appends it to the error's path).
+    Pydantic locates a model validator's error at the model itself (a list validator's at the list); ``field``
+    names the key (or the index) to point at (``retune.schedule.loading`` appends it to the error's path).
     """
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str | int, message: str) -> None:
         super().__init__(message)
         self.field = field
 
@@ -222,18 +222,69 @@ class SearchConfig(_Config):
         steps = info.data.get("steps_per_trial")
         if value == "throughput" and steps is not None and steps < 2:
             raise ValueError(
-                f"throughput times the steps after the first of each trial (the first warms up), so it needs "
-                f"search.steps_per_trial >= 2, got {steps}"
+                f"objective {value!r} times the steps after the first of each trial (the first warms up), so it "
+                f"needs search.steps_per_trial >= 2, got {steps}"
             )
         return value
 
-    @field_validator("max_val")
-    @classmethod
-    def _max_not_below_init(cls, value: int, info: ValidationInfo) -> int:
-        init_val = info.data.get("init_val")
-        if init_val is not None and value < init_val:
-            raise ValueError(f"max_val must be >= init_val ({init_val})")
-        return value
+    @model_validator(mode="after")
+    def _consistent(self) -> SearchConfig:
+        # on the final values, defaults included: `init_val: 10000` conflicts with the default max_val 8192 as
+        # surely as with one written in the file. The error names a field the user wrote (they can change it).
+        if self.max_val < self.init_val:
+            field = "max_val" if "max_val" in self.model_fields_set else "init_val"
+            raise FieldConflict(
+                field,
+                f"max_val ({self._shown('max_val')}) must be >= init_val ({self._shown('init_val')}); raise "
+                "max_val or lower init_val",
+            )
+        # a field another field makes meaningless is refused where the file chose its value: written, and other
+        # than the default (the annotated reference block restates every default, and copies of it must load)
+        if self._chosen("scan_limit") and self.probe_samples == "first":
+            raise FieldConflict(
+                "scan_limit",
+                f"scan_limit ({self.scan_limit}) limits the samples probe_samples: largest sizes, but probe_samples "
+                f"is {self._is('probe_samples')}, which sizes none; set `probe_samples: largest` or remove "
+                "scan_limit",
+            )
+        if self._chosen("margin") and self.margin > 0 and self.mode == "power":  # 0 says what power does
+            raise FieldConflict(
+                "margin",
+                f"margin ({self.margin}) cuts the size binsearch or model find, but mode is {self._is('mode')}, "
+                "whose sizes (init_val doubled) are used as tried, with no margin; set `mode: binsearch` for a "
+                "margin, or remove margin",
+            )
+        if self._chosen("buckets") and self.batching == "fixed":
+            raise FieldConflict(
+                "buckets",
+                f"buckets ({self.buckets}) is how many length buckets batching: buckets makes, but batching is "
+                f"{self._is('batching')}, which makes none; set `batching: buckets` or remove buckets",
+            )
+        if self._chosen("throughput_tolerance") and self.objective == "largest":
+            raise FieldConflict(
+                "throughput_tolerance",
+                f"throughput_tolerance ({self.throughput_tolerance}) picks among the fastest sizes of objective: "
+                f"throughput, but objective is {self._is('objective')}, which times none; set `objective: "
+                "throughput` or remove throughput_tolerance",
+            )
+        return self
+
+    def _chosen(self, field: str) -> bool:
+        """Whether the file wrote ``field`` with a value other than its default."""
+        return field in self.model_fields_set and getattr(self, field) != type(self).model_fields[field].default
+
+    def _shown(self, field: str) -> str:
+        value = getattr(self, field)
+        return f"{value}" if field in self.model_fields_set else f"{value}, the default"
+
+    def _is(self, field: str) -> str:
+        value = getattr(self, field)
+        return f"{value!r}" if field in self.model_fields_set else f"{value!r} (the default)"
+
+
+MIN_BUDGET_FRACTION = 1e-6
+"""The smallest fraction ``memory.budget`` takes: below it (``1e-300``, ``1e-9``) a fraction is bytes or nothing
+of any device; a budget that small is written as an absolute size."""
 
 
 class MemoryConfig(_Config):
@@ -259,11 +310,20 @@ class MemoryConfig(_Config):
             # a count of bytes: a unit is what makes a size absolute
             shown, value = repr(value), float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError("expected null, a fraction of device memory in (0, 1], or a size such as '512MiB'")
+            raise ValueError(
+                f"expected null, a fraction of device memory in (0, 1], or a size such as '512MiB', got {value!r}"
+            )
         if not 0.0 < value <= 1.0:
             raise ValueError(
                 f"a number budget is a fraction of device memory in (0, 1], got {shown}; "
                 "write absolute sizes with a unit, e.g. '512MiB'"
+            )
+        if value < MIN_BUDGET_FRACTION:
+            # 1e-300 of any device is 0 bytes, as '0MiB' is ("less than one byte"): not a budget anyone means
+            raise ValueError(
+                f"a fraction budget below a millionth of device memory leaves {int(value * 80e9)} bytes of an 80 GB "
+                f"GPU, got {shown}; write a fraction such as 0.8, or a budget that small as a size with a unit, "
+                "e.g. '64KiB'"
             )
         return value
 
@@ -509,6 +569,12 @@ class LRFindConfig(_Config):
             bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 0]
             if bad:
                 raise ValueError(f"group indices are integers >= 0, got {bad[0]!r}")
+            repeated = sorted({v for v in value if value.count(v) > 1})
+            if repeated:
+                raise ValueError(
+                    f"group indices must not repeat ({', '.join(map(str, repeated))} listed twice), got {list(value)}; "
+                    "list each group once"
+                )
             return tuple(value)
         raise ValueError(f"expected 'new', 'all' or a list of group indices, got {value!r}")
 
@@ -563,6 +629,26 @@ class RetuneSchedule(_Config):
     def _some_trigger(cls, value: tuple[object, ...]) -> tuple[object, ...]:
         if not value:
             raise ValueError(f"list at least one trigger; kinds: {', '.join(TRIGGER_KINDS)}")
+        seen: list[tuple[int, dict[str, Any]]] = []
+        first_oom: int | None = None
+        for index, trigger in enumerate(value):
+            settings = trigger.model_dump() if isinstance(trigger, BaseModel) else {}
+            same = next((i for i, known in seen if known == settings), None)
+            if settings and same is not None:
+                raise FieldConflict(
+                    index,
+                    f"repeats triggers[{same}] (kind {settings['kind']}, the same settings): a trigger listed "
+                    "twice adds nothing; remove one",
+                )
+            if getattr(trigger, "kind", None) == "oom":
+                if first_oom is not None:
+                    raise FieldConflict(
+                        index,
+                        f"a second oom trigger (the first is triggers[{first_oom}]): only the first recovers a step "
+                        "that runs out of memory, so this one's settings would be ignored; keep one oom trigger",
+                    )
+                first_oom = index
+            seen.append((index, settings))
         return value
 
     @field_validator("stages")
@@ -583,6 +669,7 @@ __all__ = [
     "FitStartTrigger",
     "FtsPhaseTrigger",
     "LRFindConfig",
+    "MIN_BUDGET_FRACTION",
     "MemoryConfig",
     "Objective",
     "OomTrigger",

@@ -179,9 +179,12 @@ class ReadsPerEpoch(pl.Callback):  # type: ignore[misc]
 
 
 def schedule(**search: Any) -> dict[str, Any]:
+    settings = {"batching": "buckets", "buckets": 4, "steps_per_trial": 2, **search}
+    if settings["batching"] == "fixed":
+        del settings["buckets"]  # batching: fixed makes no buckets (a schedule that sets them is refused)
     return {
         "triggers": [{"kind": "fit_start"}, {"kind": "trainable_params_changed"}],
-        "search": {"batching": "buckets", "buckets": 4, "steps_per_trial": 2, **search},
+        "search": settings,
         "memory": {"budget": BUDGET},
     }
 

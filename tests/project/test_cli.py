@@ -218,3 +218,106 @@ def test_console_script() -> None:
     assert proc.returncode == 1
     assert proc.stdout.splitlines() == [_ok_line(good)]
     assert proc.stderr.splitlines() == [BAD_MESSAGE]
+
+
+# -- `retune report`: bad paths and bad histories ------------------------------------------------
+
+
+def _history(folder: Path) -> Path:
+    from retune.events import RetuneEvent, Trial
+    from retune.reports import batch_size as report
+
+    event = RetuneEvent(
+        epoch=0,
+        global_step=0,
+        trigger="fit_start",
+        stage="train",
+        batch_size_before=2,
+        batch_size_after=60,
+        trials=[Trial(2, True), Trial(64, True), Trial(128, False)],
+    )
+    return report.write_json(folder / "history.json", report.History(events=[event]))
+
+
+def test_report_plot_to_a_folder_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    history = _history(tmp_path)
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    assert main(["report", str(history), "--plot", str(folder)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"error: --plot: {str(folder)!r} is a folder; give the PNG's file name, such as "
+        f"{str(folder / 'batch_size.png')!r}\n"
+    )
+
+
+def test_report_plot_under_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    history = _history(tmp_path)
+    png = history / "p.png"  # a "folder" that is the history file itself
+    assert main(["report", str(history), "--plot", str(png)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"error: --plot: {str(history)!r} is a file, not a folder (in {str(png)!r})\n"
+
+
+def test_report_unwritable_default_plot_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib")
+    history = _history(tmp_path)
+    (tmp_path / "batch_size.png").mkdir()  # where the plot goes by default
+    assert main(["report", str(history)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot write the plot to {str(tmp_path / 'batch_size.png')!r}: ")
+    assert err.count("\n") == 1
+
+
+def test_report_plot_and_no_plot_are_exclusive(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    history = _history(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(history), "--no-plot", "--plot", str(tmp_path / "p.png")])
+    assert info.value.code == 2
+    assert "argument --plot: not allowed with argument --no-plot" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
+@pytest.mark.parametrize("content", ["[]", '{"version": 1, "events": []}'], ids=["bare-list", "object"])
+def test_report_with_no_events_writes_no_plot(tmp_path: Path, content: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "history.json"
+    path.write_text(content)
+    assert main(["report", str(path)]) == 0
+    assert capsys.readouterr().out == f"{path}: no events in this history: nothing to tabulate or plot\n"
+    assert list(tmp_path.iterdir()) == [path]
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        (
+            '[{"x": 1}]',
+            "history: events[0] is not a retune event: missing epoch, global_step, trigger, stage, "
+            "batch_size_before, batch_size_after; unknown key 'x'",
+        ),
+        (
+            '{"version": 1, "events": [{"epoch": 0}]}',
+            "history: events[0] is not a retune event: missing global_step, trigger, stage, batch_size_before, "
+            "batch_size_after",
+        ),
+        ("[1]", "history: events[0] is 1, not an object of an event's fields"),
+        (
+            '{"kind": "lr_find", "version": 1, "events": [{"epoch": 0, "y": 2, "z": 3}]}',
+            "learning-rate history: events[0] is not a retune event: missing global_step, trigger, groups, "
+            "lrs_before, lr_after, method; unknown keys 'y', 'z'",
+        ),
+    ],
+    ids=["unknown-key", "missing-keys", "not-an-object", "lr-history"],
+)
+def test_report_names_what_a_bad_event_lacks(
+    tmp_path: Path, content: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "history.json"
+    path.write_text(content)
+    assert main(["report", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"error: {path}: cannot read a retune {problem}\n"
+    assert list(tmp_path.iterdir()) == [path]

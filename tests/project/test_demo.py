@@ -3,12 +3,17 @@
 The run uses 2 pretraining epochs, 2 fine-tuning epochs (unfreeze at 1) and 200 training images
 per task. The simulated device makes the answer exact: the searches must land within the binsearch
 margin of its true maxima for the frozen and the unfrozen backbone.
+
+The checks of bad options and files need neither scikit-learn nor a run, so they run on every
+stack (the Flash stack has no scikit-learn): the demo refuses them before it loads any data.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +21,7 @@ import torch
 from torch import nn
 
 from retune import ScheduleError, is_oom_error, load_schedule
+from retune import demo as demo_module
 from retune.cli import main
 from retune.demo import (
     BUILTIN_SCHEDULE,
@@ -32,15 +38,19 @@ from retune.demo import (
 )
 from retune.reports import batch_size as report
 
-# skip guards: the demo reads sklearn's digits and the checks read its PNG (neither is in the flash stack)
-pytest.importorskip("sklearn", reason="the demo's data set is sklearn's digits; scikit-learn is not installed")
-imread = pytest.importorskip("matplotlib.image", reason="the demo's plot needs matplotlib, not installed").imread
+# the demo reads sklearn's digits (not in the flash stack): only the tests that load them need it
+needs_sklearn = pytest.mark.skipif(
+    importlib.util.find_spec("sklearn") is None,
+    reason="the demo's data set is sklearn's digits; scikit-learn is not installed",
+)
+QUICK = ["--epochs", "1", "--pretrain-epochs", "1", "--limit", "10", "--no-progress-bar"]
 
 MARGIN = 0.05
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoResult:
+    pytest.importorskip("sklearn", reason="the demo's data set is sklearn's digits; scikit-learn is not installed")
     out = tmp_path_factory.mktemp("demo")
     lines: list[str] = []
     config = DemoConfig(epochs=2, unfreeze_at=1, pretrain_epochs=2, limit=200, out=out, progress_bar=False)
@@ -79,6 +89,7 @@ def test_console_story(demo: DemoResult) -> None:
 
 
 def test_outputs(demo: DemoResult) -> None:
+    imread = pytest.importorskip("matplotlib.image", reason="the demo's plot needs matplotlib, not installed").imread
     assert demo.outputs.png is not None
     history = report.read_history(demo.outputs.json)
     assert history.events == demo.history
@@ -175,20 +186,57 @@ def test_budget_sources(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("budget", "message"),
-    [("lots", "is not a memory size"), ("0.5", "less than one byte"), ("2 parsecs", "is not a memory size")],
+    [
+        ("lots", "'lots' is not a memory size"),
+        ("0.5B", "'0.5B' is less than one byte"),
+        ("2 parsecs", "'2 parsecs' is not a memory size"),
+        # the rules of memory.budget: a bare number is a fraction (refused on a CPU), never a count of bytes
+        ("0.5", "'0.5': the demo runs on a CPU and needs an absolute size such as '2MiB', not a fraction"),
+        ("40", "a number budget is a fraction of device memory in (0, 1], got '40'"),
+    ],
 )
 def test_bad_budget(budget: str, message: str) -> None:
-    with pytest.raises(ScheduleError, match=message):
+    with pytest.raises(ScheduleError) as info:
         resolve_schedule(None, budget)
+    assert str(info.value).startswith(f"--budget: {message}")  # the option, not the schedule file
 
 
-def test_fraction_budget_in_the_schedule_is_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("memory", ["5", "abc", "{budget: 40}", "{budget: '40'}", "{budget: lots}", "{budgit: 2MiB}"])
+def test_schedule_is_validated_as_validate_does(
+    tmp_path: Path, memory: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    own = tmp_path / "s.yaml"
+    own.write_text(f"triggers: [{{kind: fit_start}}]\nmemory: {memory}\n")
+    assert main(["validate", str(own)]) == 1
+    expected = capsys.readouterr().err
+    assert expected.startswith(f"error: {own}: memory")
+    with pytest.raises(ScheduleError) as info:
+        resolve_schedule(own, None)
+    assert f"error: {info.value}\n" == expected
+    assert main(["demo", "--schedule", str(own), *QUICK, "--out", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr() == ("", expected)
+    assert not (tmp_path / "out").exists()
+
+
+def test_fraction_budget_in_the_schedule_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     own = tmp_path / "s.yaml"
     own.write_text("triggers: [{kind: fit_start}]\nmemory: {budget: 0.5}\n")
     with pytest.raises(ScheduleError, match="absolute size"):
         resolve_schedule(own, None)
+    assert main(["demo", "--schedule", str(own), *QUICK, "--out", str(tmp_path / "out")]) == 1
+    message = (
+        f"{own}: memory.budget: 0.5: the demo runs on a CPU and needs an absolute size such as '2MiB', not a fraction"
+    )
+    assert capsys.readouterr().err == f"error: {message}\n"  # the file named once
 
 
+def test_budget_option_overrides_a_fraction_in_the_schedule(tmp_path: Path) -> None:
+    own = tmp_path / "s.yaml"
+    own.write_text("triggers: [{kind: fit_start}]\nmemory: {budget: '0.5'}\n")
+    assert resolve_schedule(own, "3MiB")[1:] == (3 * 2**20, str(own), "3.0 MiB (--budget)")
+
+
+@needs_sklearn
 def test_splits_are_disjoint_tasks() -> None:
     splits = load_digit_splits(seed=0, limit=50)
     assert len(splits.pretrain_train) == len(splits.finetune_train) == 50
@@ -221,7 +269,48 @@ def test_cli_bad_budget_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["demo", "--budget", "lots"]) == 1
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.startswith("error: ") and "is not a memory size" in err
+    assert err.startswith("error: --budget: 'lots' is not a memory size") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["the-file", "below-it"])
+def test_cli_out_that_is_a_file(tmp_path: Path, inside: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "taken"
+    file.write_text("not a folder")
+    out = file / "run" if inside else file
+    assert main(["demo", *QUICK, "--out", str(out)]) == 1
+    where = f" (in --out {str(out)!r})" if inside else ""
+    assert capsys.readouterr() == ("", f"error: --out: {str(file)!r} is a file, not a folder{where}\n")
+
+
+def test_seed_everything_on_this_lightning() -> None:
+    # Lightning 2 takes verbose=; pytorch_lightning 1.9 (the Flash stack) has no such argument
+    demo_module._seed_everything(1234)
+    assert torch.initial_seed() == 1234
+
+
+def test_cli_without_scikit_learn_is_a_clean_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # gets as far as loading the data on every stack (on pytorch_lightning 1.9 it once failed to seed first)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # `from sklearn.datasets import ...` fails
+    assert main(["demo", *QUICK, "--out", str(tmp_path / "out")]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "error: retune demo needs scikit-learn for its dataset (the digits ship inside it; nothing is "
+        "downloaded): pip install scikit-learn\n"
+    )
+
+
+@needs_sklearn
+def test_cli_budget_too_small_for_one_image(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", *QUICK, "--budget", "1KiB", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "error: memory budget 1.0 KiB (--budget) is too small for the demo: not even a batch of 1 fits once the "
+        "backbone is unfrozen, which needs about "
+    )
+    assert err.count("\n") == 1
 
 
 def test_cli_rejects_zero_epochs(capsys: pytest.CaptureFixture[str]) -> None:

@@ -76,7 +76,7 @@ CASES: list[Any] = [
     ("predict_list.json", "search.predict", "Input should be 'off' or 'auto' (got ['auto'])"),
     ("buckets_power.yaml", "search.batching", "its sizes are not init_val doubled as search.mode: power promises"),
     ("init_val_zero.yaml", "search.init_val", "Input should be greater than or equal to 1 (got 0)"),
-    ("max_val_below_init_val.yaml", "search.max_val", "max_val must be >= init_val (64) (got 32)"),
+    ("max_val_below_init_val.yaml", "search.max_val", "max_val (32) must be >= init_val (64); raise max_val"),
     ("version_2.yaml", "version", "Input should be 1 (got 2)"),
     # -- triggers ---------------------------------------------------------------------------------
     (

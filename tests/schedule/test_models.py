@@ -29,7 +29,7 @@ FULL: dict[str, Any] = {
     "version": 1,
     "batch_arg_name": "bs",
     "search": {
-        "mode": "power",
+        "mode": "binsearch",
         "init_val": 4,
         "steps_per_trial": 2,
         "max_trials": 10,
