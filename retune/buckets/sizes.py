@@ -663,6 +663,8 @@ def _search_without_peaks(
         if carried is not None and first <= carried and carried < upper:
             first = min(upper, carried + 1)
         known = hi[bucket]
+        if known is not None and first >= known:  # the previous size failed since (a real step): start below it
+            first = max(1, known - 1)
         known = known if known is not None and known > first else None
         plan = SearchPlan("binsearch", first, left, 0.0, upper, known_fail=known)
 

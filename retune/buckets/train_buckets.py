@@ -57,6 +57,7 @@ from retune.buckets.throughput import bucket_timings, cap_at_fastest, capped_siz
 from retune.events import Direction
 from retune.probing.probe_batches import ProbeBatches, candidate_indices, why_not_reorderable, with_index_order
 from retune.probing.prober import Prober
+from retune.search.largest import failing_from
 from retune.search.predict_run import steady_probes
 from retune.search.throughput import ThroughputPlan, choose_fastest, selection_budget, selection_steps
 
@@ -168,6 +169,10 @@ class BucketState:
     """``objective: throughput``: the padded work per step every bucket is capped at (None: no cap)."""
     failed: dict[int, int] = field(default_factory=dict)
     """Bucket -> the smallest size measured to fail since the memory last changed: never applied again."""
+    failed_in_training: dict[int, int] = field(default_factory=dict)
+    """Bucket -> the smallest size a real training step ran out of memory at, kept while the bounds are the same
+    and no trigger says the memory shrank: every search stays below it (its probes see the bucket's worst batch
+    by length; the step that failed may have been heavier in another way)."""
     pending: dict[int, tuple[int, int]] = field(default_factory=dict)
     """Bucket -> ``(fitting, failed)`` of real steps that ran out of memory since the last search (the next
     search lowers those buckets): kept here so a checkpoint taken mid-epoch carries them."""
@@ -186,6 +191,7 @@ class BucketState:
             "chosen": self.chosen,
             "padded": self.padded,
             "failed": {str(b): int(size) for b, size in self.failed.items()},
+            "failed_in_training": {str(b): int(size) for b, size in self.failed_in_training.items()},
             "pending": {str(b): [int(fit), int(fail)] for b, (fit, fail) in self.pending.items()},
             "by_steps": self.by_steps,
         }
@@ -209,6 +215,7 @@ class BucketState:
             _int_or_none(data.get("padded")),
             # absent before issue 28: no failed sizes known, no failures pending
             {int(b): int(size) for b, size in (data.get("failed") or {}).items()},
+            {int(b): int(size) for b, size in (data.get("failed_in_training") or {}).items()},
             {int(b): (int(v[0]), int(v[1])) for b, v in (data.get("pending") or {}).items()},
             bool(data.get("by_steps", False)),  # absent before issue 29's bounds by steps
         )
@@ -501,7 +508,14 @@ class TrainBuckets:
         # a warm search starts where memory was last time: the largest sizes, not a throughput cap below them
         previous: list[int | None] | None = list(self.state.fit_sizes) if same_buckets and not cold else None
         prior = self.state.memory if same_buckets else None
-        failures = {b: f for b, f in self.failures.items() if b < buckets.count} if same_buckets else {}
+        # a bucket that failed in a real step again, at a size its search verified after the first failure: its
+        # probes cannot see what fails, so the failure counts from halfway to the size that trained (failing_from)
+        again = self.state.failed_in_training if same_buckets and direction != "up" else {}
+        failures = {
+            b: (fitting, failing_from(fitting, failed) if b in again else failed)
+            for b, (fitting, failed) in self.failures.items()
+            if b < buckets.count and same_buckets
+        }
         self.failures = {}
         only = sorted(failures) if failures else None
 
@@ -532,6 +546,13 @@ class TrainBuckets:
             b: min(failed, self.state.failed.get(b, failed)) if same_buckets else failed
             for b, (_, failed) in failures.items()
         }
+        # a size a real step ran out of memory at stays out of reach while the buckets and the memory are the same
+        in_training = {} if direction == "up" or not same_buckets else dict(self.state.failed_in_training)
+        for b, fail_at in known_fail.items():
+            in_training[b] = min(fail_at, in_training.get(b, fail_at))
+        self.state.failed_in_training = in_training
+        for b, fail_at in in_training.items():
+            known_fail[b] = min(fail_at, known_fail.get(b, fail_at))
         direction = "down" if failures else direction
         traced = None
         regrouped_from = None
@@ -540,7 +561,9 @@ class TrainBuckets:
                 traced = predict(buckets, uppers, lambda bucket: arrange_for(bucket, 2), self.traced)
             self.traced = traced or self.traced
         if traced is not None and limit is not None:
-            better = None if failures else self._fewer_steps(buckets, traced, limit, max_val, margin_of, world)
+            # the same bounds while a real failure is known (its bucket is a bucket of these bounds)
+            regroup = not failures and not in_training
+            better = self._fewer_steps(buckets, traced, limit, max_val, margin_of, world) if regroup else None
             if better is not None:  # the same samples at new bounds: every bucket is searched (verified) anew
                 uppers = _uppers(better, max_val, world, self.epoch_draws, self._drop_last)
                 regrouped_from, buckets = buckets, better
@@ -577,6 +600,8 @@ class TrainBuckets:
         # after the margin, too: a size that fits longer samples fits shorter ones (up to a bucket's own count),
         # but never to or above a size measured to fail for that bucket (its probes, its real steps)
         failed = self._failed_sizes(result.min_failing, failures, keep=only is not None and same_buckets)
+        for bucket, failed_size in in_training.items():
+            failed[bucket] = min(failed_size, failed.get(bucket, failed_size))
         best: int | None = None
         for bucket in sorted(range(buckets.count), key=lambda b: -buckets.largest[b]):
             size = sizes[bucket]

@@ -14,7 +14,8 @@ module reads its events (``_report``, an :class:`EventReport`) and what its file
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -73,10 +74,15 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         write_report: bool = True,
     ) -> None:
         self.schedule = load_schedule(schedule)
-        self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *triggers]
-        self.verbose = verbose
+        self.triggers: list[Trigger] = [*build_triggers(self.schedule.triggers), *checked_triggers(triggers)]
+        for name, flag in (("verbose", verbose), ("write_report", write_report)):
+            if not isinstance(flag, int):  # a bool (an int 0 or 1 reads as one)
+                raise TypeError(f"{name} must be True or False, got {flag!r}")
+        if out_dir is not None and not isinstance(out_dir, (str, os.PathLike)):
+            raise TypeError(f"out_dir must be a path (a str or an os.PathLike), got {out_dir!r}")
+        self.verbose = bool(verbose)
         self.out_dir = None if out_dir is None else Path(out_dir)
-        self.write_report = write_report
+        self.write_report = bool(write_report)
         self.report_paths = None
         self.history = []
         self._fit_starting = False
@@ -136,7 +142,7 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         if not self._is_global_zero:
             return
         for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            logger.log_metrics(metrics, step=compat.logger_step(trainer))
 
     def _record(self, trainer: Any, event: Any, where: str = "", warn: bool = False) -> None:
         """Keep an event (a search, a range test, a recovered step), print its summary and log its metrics."""
@@ -178,20 +184,90 @@ def report_dir(trainer: Any, out_dir: Path | None) -> Path | None:
     return None if folder is None else Path(folder) / "retune"
 
 
-def trigger_states(triggers: Sequence[Trigger]) -> list[dict[str, Any] | None]:
-    """Each trigger's ``state_dict()`` (None for a trigger without one), in order, for a checkpoint."""
-    states: list[dict[str, Any] | None] = []
+def checked_triggers(triggers: Any) -> list[Trigger]:
+    """The ``triggers=`` argument, checked where it is given: a list of objects with a ``kind`` string and a
+    ``check(view)`` method (:class:`~retune.schedule.triggers.Trigger`). A trigger named by a string or a dict
+    belongs in the schedule's ``triggers`` list, where it is validated; found only at the first epoch start,
+    such a mistake would stop the run there."""
+    if isinstance(triggers, (str, bytes, Mapping)) or not isinstance(triggers, Sequence):
+        raise TypeError(
+            f"triggers must be a list of trigger objects (see retune.schedule.triggers.Trigger), got {triggers!r}"
+        )
+    for index, trigger in enumerate(triggers):
+        if isinstance(trigger, (str, Mapping)):
+            raise TypeError(
+                f"triggers[{index}] is {trigger!r}: the triggers= argument takes trigger objects; put a trigger "
+                "written as a kind or a dict in the schedule's `triggers` list instead"
+            )
+        if not isinstance(getattr(trigger, "kind", None), str) or not callable(getattr(trigger, "check", None)):
+            raise TypeError(
+                f"triggers[{index}] ({trigger!r}) is not a trigger: it needs a `kind` string and a "
+                "`check(view)` method that returns 'down', 'up', 'unknown' or None (retune.schedule.triggers.Trigger)"
+            )
+    return list(triggers)
+
+
+def _trigger_keys(triggers: Sequence[Trigger]) -> list[str]:
+    """What names each trigger in a checkpoint: its class and which of that class it is (``TrainableParamsChanged#0``),
+    so a schedule whose triggers are listed in another order on resume gives each its own baseline back."""
+    seen: dict[str, int] = {}
+    keys = []
     for trigger in triggers:
+        name = type(trigger).__qualname__
+        keys.append(f"{name}#{seen.get(name, 0)}")
+        seen[name] = seen.get(name, 0) + 1
+    return keys
+
+
+def trigger_states(triggers: Sequence[Trigger]) -> list[dict[str, Any]]:
+    """Each trigger's ``state_dict()`` with the key that names it (:func:`_trigger_keys`), for a checkpoint;
+    triggers without state are left out."""
+    states: list[dict[str, Any]] = []
+    for key, trigger in zip(_trigger_keys(triggers), triggers, strict=True):
         state = getattr(trigger, "state_dict", None)
-        states.append(state() if callable(state) else None)
+        if callable(state):
+            states.append({"trigger": key, "state": state()})
     return states
 
 
 def load_trigger_states(triggers: Sequence[Trigger], saved: Sequence[dict[str, Any] | None]) -> None:
-    """Give each trigger back its checkpointed baseline (by position, as :func:`trigger_states` wrote them)."""
-    for trigger, state in zip(triggers, saved, strict=False):
-        if state is not None and hasattr(trigger, "load_state_dict"):
-            trigger.load_state_dict(state)
+    """Give each trigger back its checkpointed baseline, found by its key (:func:`trigger_states`). A checkpoint
+    of an earlier retune (states by position, no keys) is read by position where the trigger's state has the
+    same fields; a trigger the checkpoint has no state for keeps the baseline it read at setup."""
+    by_key = {
+        entry["trigger"]: entry["state"]
+        for entry in saved
+        if isinstance(entry, dict) and set(entry) == {"trigger", "state"}
+    }
+    keyed = bool(by_key) or not saved
+    for index, (key, trigger) in enumerate(zip(_trigger_keys(triggers), triggers, strict=True)):
+        load = getattr(trigger, "load_state_dict", None)
+        if not callable(load):
+            continue
+        if keyed:
+            state = by_key.get(key)
+        else:  # positional (before keys): only where the fields match this trigger's own
+            state = saved[index] if index < len(saved) else None
+            own = getattr(trigger, "state_dict", None)
+            if state is not None and (not callable(own) or set(own()) != set(state)):
+                state = None
+        if state is None:
+            continue
+        if keyed:
+            load(state)
+        else:
+            try:
+                load(state)
+            except (TypeError, ValueError):  # another trigger's state with the same fields: keep the setup's
+                continue
 
 
-__all__ = ["EventReport", "RetuneCallback", "load_trigger_states", "print_above_bar", "report_dir", "trigger_states"]
+__all__ = [
+    "EventReport",
+    "RetuneCallback",
+    "checked_triggers",
+    "load_trigger_states",
+    "print_above_bar",
+    "report_dir",
+    "trigger_states",
+]

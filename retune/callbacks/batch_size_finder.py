@@ -100,6 +100,9 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         loss_items: str | Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__(schedule, triggers, verbose, out_dir, write_report)
+        for name, value in (("split_batch", split_batch), ("clock", clock)):
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be a function or None, got {value!r}")
         self.clock = clock
         self.probe_batches = ProbeBatches.from_schedule(self.schedule, schedule, sample_size, say=self._say)
         search = self.schedule.search

@@ -88,6 +88,12 @@ class ScheduledLRFinder(RetuneCallback):
         write_report: bool = True,
     ) -> None:
         super().__init__(schedule, triggers, verbose, out_dir, write_report)
+        if self.triggers and all(t.kind == "oom" for t in self.triggers):
+            raise RetuneError(
+                "ScheduledLRFinder: the schedule's only trigger is `oom`, which fires after a training step that "
+                "the batch-size finder recovered from running out of memory; the range test never runs on it. Add "
+                "the triggers the range test should run at (fit_start, epoch, param_groups_changed, ...)"
+            )
         self.report_paths: lr_report.LROutputPaths | None = None
         self.history: list[LRFindEvent] = []
         self._groups_seen: list[GroupInfo] | None = None
@@ -212,6 +218,12 @@ class ScheduledLRFinder(RetuneCallback):
             )
         else:
             set_group_lr(optimizer, chosen, found.lr, holders)
+            # as Lightning's LearningRateFinder: the model's `lr`/`learning_rate`, where it named a tested rate
+            others = [nominal_lr(optimizer, i, holders) for i in range(len(optimizer.param_groups)) if i not in chosen]
+            written = compat.set_lr_attributes(trainer, pl_module, [float(r) for r in before], found.lr, others)
+            if written:
+                names = " and ".join(f"`{name}`" for name in written)
+                note = "; ".join(filter(None, [note, f"{names} set too"]))
         event = LRFindEvent(
             epoch=epoch,
             global_step=trainer.global_step,

@@ -26,7 +26,14 @@ The functions the rest of retune calls are re-exported here (``compat.request_da
 
 from __future__ import annotations
 
-from retune.compat.batch_attr import batch_attr_places, get_batch_attr, has_batch_attr, set_batch_attr
+from retune.compat.batch_attr import (
+    batch_attr_places,
+    get_batch_attr,
+    has_batch_attr,
+    scale_lr_attributes,
+    set_batch_attr,
+    set_lr_attributes,
+)
 from retune.compat.combined_loaders import length_of, train_loaders
 from retune.compat.data import (
     batch_to_device,
@@ -62,11 +69,12 @@ from retune.compat.logs import (
     refresh_progress_bar,
     save_logged_metrics,
 )
-from retune.compat.loops import batch_index, batch_is_accumulating, resumed_batches, trainer_fn
+from retune.compat.loops import batch_index, batch_is_accumulating, logger_step, resumed_batches, trainer_fn
 from retune.compat.namespace import callback_base_classes, is_legacy, namespace_of, without_attached
 from retune.compat.stage_steps import StepMarks, hooks_isolated, run_step, step_marks, training_step, wrap_eval_step
 from retune.compat.state import (
     accumulation_is_scheduled,
+    cycle_schedulers,
     fts_phase,
     get_accumulation,
     grad_scaler,
@@ -75,6 +83,7 @@ from retune.compat.state import (
     lr_holders,
     lr_schedulers,
     reduced_precision,
+    remaining_optimizer_steps,
     set_accumulation,
 )
 from retune.compat.strategies import check_oom_trigger, is_sharded, strategy_kind
@@ -117,7 +126,9 @@ __all__ = [
     "loop_counters",
     "loop_progress",
     "lr_holders",
+    "cycle_schedulers",
     "lr_schedulers",
+    "remaining_optimizer_steps",
     "micro_batch_logging",
     "namespace_of",
     "probe_batches",
@@ -125,12 +136,15 @@ __all__ = [
     "refresh_train_batches",
     "reload_dataloader",
     "request_dataloader",
+    "logger_step",
     "resumed_batches",
     "run_step",
     "sampler_epoch",
     "save_logged_metrics",
     "set_accumulation",
     "set_batch_attr",
+    "scale_lr_attributes",
+    "set_lr_attributes",
     "shares_out_samplers",
     "sharded_across",
     "step_marks",

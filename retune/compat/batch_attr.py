@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 from typing import Any
 
@@ -44,3 +45,47 @@ def batch_attr_places(trainer: Any, pl_module: Any, name: str) -> list[tuple[str
 
 
 __all__ = ["batch_attr_places", "get_batch_attr", "has_batch_attr", "set_batch_attr"]
+
+
+LR_ATTRIBUTES = ("lr", "learning_rate")
+"""The names Lightning's ``LearningRateFinder`` writes its suggestion to (on the model, its ``hparams`` or the
+datamodule), which ``configure_optimizers`` or a warm-up in ``optimizer_step`` read the rate from."""
+
+
+def set_lr_attributes(
+    trainer: Any, pl_module: Any, old: list[float], new: float, others: list[float] | None = None
+) -> list[str]:
+    """Write ``new`` to each of :data:`LR_ATTRIBUTES` whose value is one of the ``old`` rates it replaces (the rate
+    the attribute names: a head's rate is left alone when only the backbone's group was tested), everywhere
+    Lightning's lookup finds it. An attribute whose value is also one of ``others`` (the rates of groups left as
+    they are) names either: it is left alone too. Returns the names written."""
+    return _rewrite_lr_attributes(trainer, pl_module, old, others or [], lambda value: new)
+
+
+def scale_lr_attributes(trainer: Any, pl_module: Any, rates: list[float], factor: float) -> list[str]:
+    """``apply.lr_scaling``: multiply each of :data:`LR_ATTRIBUTES` whose value is one of the optimizers' ``rates``
+    (before the scaling, which moves every group by ``factor``) by ``factor``. Returns the names written."""
+    if factor == 1.0:
+        return []
+    return _rewrite_lr_attributes(trainer, pl_module, rates, [], lambda value: value * factor)
+
+
+def _rewrite_lr_attributes(
+    trainer: Any, pl_module: Any, old: list[float], others: list[float], rewrite: Any
+) -> list[str]:
+    parsing = _parsing(trainer)
+    written = []
+
+    def among(value: float, rates: list[float]) -> bool:
+        return any(math.isclose(value, rate, rel_tol=1e-9, abs_tol=0.0) for rate in rates)
+
+    for name in LR_ATTRIBUTES:
+        if not parsing.lightning_hasattr(pl_module, name):
+            continue
+        value = parsing.lightning_getattr(pl_module, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if among(float(value), old) and not among(float(value), others):
+            parsing.lightning_setattr(pl_module, name, rewrite(float(value)))
+            written.append(name)
+    return written

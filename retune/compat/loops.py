@@ -73,3 +73,12 @@ def resumed_batches(trainer: Any) -> int:
 
 
 __all__ = ["automatic_loop", "batch_index", "batch_is_accumulating", "eval_loop", "resumed_batches", "trainer_fn"]
+
+
+def logger_step(trainer: Any) -> int:
+    """The step Lightning's logger connector logs ``self.log`` values at (``_batches_that_stepped``: batches
+    whose optimizer step ran, both lines), so retune's metrics line up with the run's own; ``global_step``
+    counts every optimizer's steps (two optimizers, manual optimization) and drifts from it."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    stepped = getattr(loop, "_batches_that_stepped", None)
+    return int(stepped) if isinstance(stepped, int) else int(trainer.global_step)

@@ -115,3 +115,32 @@ __all__ = [
     "reduced_precision",
     "set_accumulation",
 ]
+
+
+def cycle_schedulers(trainer: Any) -> list[Any]:
+    """LR schedulers stepped once per optimizer step whose length is fixed in steps when built (``total_steps``:
+    ``OneCycleLR``, often sized from ``trainer.estimated_stepping_batches`` in ``configure_optimizers``)."""
+    return [
+        config.scheduler
+        for config in getattr(trainer, "lr_scheduler_configs", [])
+        if getattr(config, "interval", None) == "step"
+        and getattr(config, "frequency", 1) == 1
+        and isinstance(getattr(config.scheduler, "total_steps", None), int)
+    ]
+
+
+def remaining_optimizer_steps(trainer: Any) -> int | None:
+    """The optimizer steps the fit takes from this epoch start on, at the loader and accumulation in force now
+    (None: the fit's length is not known, an iterable loader without a length or no epoch limit)."""
+    batches = getattr(trainer, "num_training_batches", None)
+    if not isinstance(batches, int) or batches <= 0:
+        return None
+    per_epoch = -(-batches // max(1, get_accumulation(trainer)))
+    max_epochs = getattr(trainer, "max_epochs", None)
+    max_steps = getattr(trainer, "max_steps", -1)
+    by_epochs = None
+    if isinstance(max_epochs, int) and max_epochs >= 0:
+        by_epochs = per_epoch * max(0, max_epochs - int(trainer.current_epoch))
+    by_steps = max_steps - int(trainer.global_step) if isinstance(max_steps, int) and max_steps >= 0 else None
+    known = [n for n in (by_epochs, by_steps) if n is not None]
+    return min(known) if known else None

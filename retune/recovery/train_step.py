@@ -43,6 +43,8 @@ import torch
 from retune import messages
 from retune.errors import RetuneError
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
+from retune.probing.attributes import ModuleAttributes
+from retune.probing.metric_states import MetricStates
 from retune.recovery.gradients import FinishedGradients, GradientsAside
 from retune.recovery.loss_items import ItemsFn, count_items, resolve_items_fn, token_labels_hint
 from retune.recovery.micro_batches import (
@@ -294,9 +296,15 @@ class TrainStepRecovery(KeptSplit):
                             p.grad = None  # the window started with this batch: nothing came before it
                     raise RetuneError(self._cannot_split_further(step, total, micro, failed_largest, min_size))
                 restore_logs = step.save_logs() if not forward_done else None
+                # the module's side effects (metric states, public attributes) as this round starts: a round that
+                # runs out of memory partway is taken back, as its logs are (after a backward OOM the forwards
+                # leave none: see _train_micro)
+                round_start = SideEffects.capture(self.module) if not forward_done and self.module else None
                 self.rng.rewind()  # the failed attempt's draws again: the masks the whole batch drew (or would)
                 try:
-                    outcome = self._train_micro(step, micro, keep_logs=not forward_done, frozen=bool(done))
+                    outcome = self._train_micro(
+                        step, micro, keep_logs=not forward_done, frozen=bool(done), forward_done=forward_done
+                    )
                 except BaseException:
                     aside.drop_new()
                     aside.put_back()  # another error: the gradients set aside are not lost with it
@@ -306,6 +314,8 @@ class TrainStepRecovery(KeptSplit):
                 step.logs.clear()
                 if restore_logs is not None:
                     restore_logs()  # the micro-batches that ran before this round failed log again in the next
+                if round_start is not None:
+                    round_start.restore()  # and update their metrics again: once
                 if stats is not None:
                     stats.restore()
                 aside.drop_new()
@@ -355,17 +365,28 @@ class TrainStepRecovery(KeptSplit):
         )
 
     def _train_micro(
-        self, step: StepParts, micro: list[Any], keep_logs: bool, frozen: bool
+        self, step: StepParts, micro: list[Any], keep_logs: bool, frozen: bool, forward_done: bool = False
     ) -> tuple[list[Any], torch.Tensor] | None:
-        """Forward and backward of every micro-batch; None when one runs out of memory where a split helps."""
+        """Forward and backward of every micro-batch; None when one runs out of memory where a split helps.
+
+        ``forward_done``: the whole batch's forward ran (an OOM in backward), so what it changed on the module (a
+        torchmetrics state it updated, a list it appended to, a counter) is the run's; each micro-batch's forward,
+        which only rebuilds the graph, is undone there (its backward and the hooks around it are the real ones,
+        and keep what they change)."""
         combined: torch.Tensor | None = None
         results: list[Any] = []
         weights = loss_weights(micro, self.loss_reduction, self.items_fn)
         logs = step.logs
+        module = self.module if forward_done else None
         try:
             for part, weight in zip(micro, weights, strict=True):
-                with logs.record(part) if keep_logs else logs.discard(part):
-                    result = step.forward(part)
+                before = SideEffects.capture(module) if module is not None else None
+                try:
+                    with logs.record(part) if keep_logs else logs.discard(part):
+                        result = step.forward(part)
+                finally:
+                    if before is not None:
+                        before.restore()
                 loss = step.loss_of(result)
                 if loss is not None:
                     # a piece with no counted items adds nothing (and its loss may be 0/0 = NaN: never backward it);
@@ -390,6 +411,23 @@ class TrainStepRecovery(KeptSplit):
 
 def _none() -> None:
     return None
+
+
+class SideEffects:
+    """A module's torchmetrics states and public attributes (:mod:`retune.probing.metric_states`,
+    :mod:`retune.probing.attributes`), saved, and put back by :meth:`restore` (attributes first, then the metrics,
+    as the probes do: an attribute rebound after them would name the updated state object again)."""
+
+    def __init__(self, metrics: MetricStates, attributes: ModuleAttributes) -> None:
+        self.metrics, self.attributes = metrics, attributes
+
+    @classmethod
+    def capture(cls, module: torch.nn.Module) -> SideEffects:
+        return cls(MetricStates.capture(module), ModuleAttributes.capture(module, bindings=True))
+
+    def restore(self) -> None:
+        self.attributes.restore()
+        self.metrics.restore()
 
 
 def _running_stats(module: torch.nn.Module | None) -> RunningStats | None:

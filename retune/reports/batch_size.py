@@ -359,8 +359,8 @@ def format_summary(event: RetuneEvent, where: str | None = None) -> str:
         return (
             f"{where or f'epoch {event.epoch}'}: {event.stage} batch sizes per bucket {before} -> "
             f"{_slashed(event.bucket_sizes)} ({_bucket_throughput(event)}samples up to "
-            f"{_slashed(event.bucket_bounds)}; {event.samples_per_step:g} samples per step; {len(event.trials)} "
-            f"trials{_predicted(event)}, {event.duration_s:.2f}s, trigger {event.trigger})"
+            f"{_slashed(event.bucket_bounds)}; {event.samples_per_step:g} samples per step; "
+            f"{_trials(len(event.trials))}{_predicted(event)}, {event.duration_s:.2f}s, trigger {event.trigger})"
         )
     fastest = ""
     if event.objective == "throughput":
@@ -375,7 +375,7 @@ def format_summary(event: RetuneEvent, where: str | None = None) -> str:
         fastest += ", "
     return (
         f"{where or f'epoch {event.epoch}'}: {event.stage} batch size {event.batch_size_before} -> "
-        f"{event.batch_size_after} ({fastest}{len(event.trials)} trials{_predicted(event)}, {event.duration_s:.2f}s, "
+        f"{event.batch_size_after} ({fastest}{_trials(len(event.trials))}{_predicted(event)}, {event.duration_s:.2f}s, "
         f"trigger {event.trigger})"
     )
 
@@ -393,6 +393,11 @@ def _bucket_throughput(event: RetuneEvent) -> str:
         cap = f"capped at {event.padded_per_step:,} padded per step"
     largest = f"largest that fit {_slashed(event.bucket_largest)}; " if event.bucket_largest else ""
     return f"{largest}fastest {chosen_size(event)} in bucket {reference}{at}, {cap}; "
+
+
+def _trials(count: int) -> str:
+    """``1 trial``, ``3 trials``."""
+    return f"{count} trial{'' if count == 1 else 's'}"
 
 
 def _slashed(values: Sequence[int]) -> str:

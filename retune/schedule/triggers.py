@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from retune.errors import RetuneError
 from retune.events import Direction
 from retune.schedule.models import (
     EpochTrigger,
@@ -270,6 +271,11 @@ def evaluate(triggers: Sequence[Trigger], view: TrainingView) -> Firing | None:
     directions: set[Direction] = set()
     for trigger in triggers:
         answer = trigger.check(view)
+        if answer not in (None, "down", "up", "unknown"):
+            raise RetuneError(
+                f"trigger {trigger.kind!r} ({type(trigger).__qualname__}) returned {answer!r} from check(): a "
+                "trigger returns 'down' (memory grew), 'up' (memory shrank), 'unknown' or None (no search)"
+            )
         if answer is not None:
             if trigger.kind not in kinds:
                 kinds.append(trigger.kind)

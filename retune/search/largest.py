@@ -29,7 +29,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from retune.events import Direction, Trial
@@ -119,6 +119,41 @@ def plan_search(
     if direction == "up":
         return SearchPlan(mode, start, max_trials, margin, upper)
     return SearchPlan(mode, start, max_trials, margin, upper, hint_fail=failure)
+
+
+def failing_from(fitting: int, failed: int) -> int:
+    """After a real training step ran out of memory at ``failed`` samples and its micro-batches of ``fitting``
+    trained, at a size the search that followed an earlier real failure had verified: the size from which the
+    next search treats the stage (or the bucket) as failing, halfway between the two.
+
+    The first real failure may be the memory's change since the last search (the probes then see it, and the
+    re-search finds the size that fits). A second one at a size probed *after* the first failed on something the
+    probes cannot see (a longer or heavier batch than the probed ones, fragmentation): a probe just below
+    ``failed`` would fit again, and the run would fail again, one size lower, every epoch. Halving the gap to
+    the size that trained for real ends that in a few epochs; a size that then fails halves it again.
+
+    >>> failing_from(28, 112), failing_from(4, 16), failing_from(15, 16), failing_from(1, 2)
+    (70, 10, 16, 2)
+    """
+    return max(fitting + 1, min(failed, (fitting + failed + 1) // 2))
+
+
+def below_failure(plan: SearchPlan, failed: int | None) -> SearchPlan:
+    """``plan`` with ``failed`` (a size a real training step ran out of memory at) and every larger size out of
+    reach: a known failure, never probed nor applied.
+
+    >>> plan = SearchPlan("binsearch", 16, 25, 0.0, 8192, hint_fail=16)
+    >>> capped = below_failure(plan, 16)
+    >>> capped.start, capped.known_fail, capped.hint_fail
+    (15, 16, None)
+    """
+    if failed is None:
+        return plan
+    known = failed if plan.known_fail is None else min(plan.known_fail, failed)
+    start = max(1, min(plan.start, failed - 1))
+    hint = plan.hint_fail if plan.hint_fail is not None and plan.hint_fail < failed else None
+    then = plan.then if plan.then is not None and start < plan.then < failed else None
+    return replace(plan, start=start, known_fail=known, hint_fail=hint, then=then)
 
 
 def run_search(plan: SearchPlan, fits: Callable[[int], bool]) -> SearchResult:
@@ -440,6 +475,8 @@ __all__ = [
     "SearchPlan",
     "SearchResult",
     "apply_margin",
+    "below_failure",
+    "failing_from",
     "nearest_pair",
     "open_bracket",
     "on_power_grid",

@@ -124,11 +124,35 @@ def scale_learning_rates(optimizers: Iterable[torch.optim.Optimizer], holders: I
                 setattr(holder, attr, value * factor)
 
 
+def cycle_mismatch(total: int, taken: int, remaining: int) -> str | None:
+    """What goes wrong with a schedule built for ``total`` optimizer steps (``OneCycleLR``'s ``total_steps``) that
+    has taken ``taken`` when the fit has ``remaining`` more to take (None: it fits, within a factor of two).
+
+    >>> cycle_mismatch(6, 0, 768)
+    "it was built for 6 steps and the fit now takes 768: it raises 'Tried to step 7 times' at step 7"
+    >>> cycle_mismatch(768, 0, 45)
+    'it was built for 768 steps and the fit now takes 45: the fit ends 6% into its cycle'
+    >>> cycle_mismatch(100, 10, 80) is None
+    True
+    """
+    needed = taken + remaining
+    if needed > total:
+        return (
+            f"it was built for {total} steps and the fit now takes {needed}: it raises "
+            f"'Tried to step {total + 1} times' at step {total + 1}"
+        )
+    if total > 2 * needed:
+        ends = f"the fit ends {needed / total:.0%} into its cycle"
+        return f"it was built for {total} steps and the fit now takes {needed}: {ends}"
+    return None
+
+
 __all__ = [
     "GROUP_LR_KEYS",
     "Accumulation",
     "accumulation_for",
     "check_accumulation",
+    "cycle_mismatch",
     "is_rate",
     "lr_factor",
     "scale_learning_rates",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from retune import compat
@@ -26,8 +26,17 @@ from retune.probing.prober import Prober, TrialReport
 from retune.probing.timing import Clock
 from retune.schedule.models import RetuneSchedule
 from retune.search.batching import Batching, FixedBatching, Limits, Say, SearchJob
-from retune.search.largest import MemoryModel, Mode, SearchPlan, SearchResult, plan_search
-from retune.search.policies import accumulation_for, lr_factor, scale_learning_rates
+from retune.search.largest import (
+    MemoryModel,
+    Mode,
+    SearchPlan,
+    SearchResult,
+    below_failure,
+    failing_from,
+    on_power_grid,
+    plan_search,
+)
+from retune.search.policies import accumulation_for, cycle_mismatch, lr_factor, scale_learning_rates
 from retune.search.throughput import trial_rates
 
 
@@ -40,6 +49,9 @@ class StageState:
     model: MemoryModel | None = None
     mean_batch: int | None = None
     """Buckets: the samples per step the ``apply`` policies last saw (None: one batch size)."""
+    failed_in_training: int | None = None
+    """The smallest size a real training step ran out of memory at since the memory last shrank: no later search
+    probes or applies it or a larger size (a probe on other batches may fit there; the training step did not)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +60,7 @@ class StageState:
             "min_failing": None if self.last is None else self.last.min_failing,
             "memory_model": None if self.model is None else [self.model.fixed, self.model.per_sample],
             "mean_batch": self.mean_batch,
+            "failed_in_training": self.failed_in_training,
         }
 
     @classmethod
@@ -56,7 +69,8 @@ class StageState:
         has_last = data.get("max_fitting") is not None or data.get("min_failing") is not None
         last = SearchResult(size, data.get("max_fitting"), data.get("min_failing")) if has_last else None
         line = data.get("memory_model")
-        return cls(size, last, None if line is None else MemoryModel(line[0], line[1]), data.get("mean_batch"))
+        model = None if line is None else MemoryModel(line[0], line[1])
+        return cls(size, last, model, data.get("mean_batch"), data.get("failed_in_training"))
 
 
 @dataclass
@@ -192,7 +206,7 @@ def search_stage(
         raise
     if result.size is None:
         compat.set_batch_attr(trainer, pl_module, name, before)
-        raise _nothing_fits(search.what(stage), label, epoch, result)
+        raise _nothing_fits(search.what(stage), label, epoch, result, budget)
     compat.set_batch_attr(trainer, pl_module, name, result.size)
     size_before, size_after, mean_batch = search.apply(job, before, result.size)
     note = search.note
@@ -204,10 +218,20 @@ def search_stage(
         say(f"{where}: {stopped}", warn=True)
         note = "; ".join(n for n in (note, stopped) if n)
     accumulate, factor = 1, 1.0
+    accumulate_was = compat.get_accumulation(trainer)
     if stage == "train":
         accumulate, factor = apply_policies(
-            trainer, schedule, policies, size_before, size_after, first_tune=state.last is None, say=say
+            trainer,
+            schedule,
+            policies,
+            size_before,
+            size_after,
+            first_tune=state.last is None,
+            trained=trainer.global_step > 0 or trainer.current_epoch > 0,
+            say=say,
         )
+    if stage == "train" and (size_before, compat.get_accumulation(trainer)) != (size_after, accumulate_was):
+        _check_cycles(trainer, where, size_before, size_after, say, first=state.last is None)
     event = RetuneEvent(
         epoch=epoch,
         global_step=trainer.global_step,
@@ -246,13 +270,22 @@ def _plan(
     direction: Direction,
     known_oom: tuple[int, int] | None,
 ) -> tuple[SearchPlan, Direction]:
-    """Where the search starts: cold, warm from the stage's last search, or below a real step's failure."""
+    """Where the search starts: cold, warm from the stage's last search, or below a real step's failure.
+
+    A size a real training step ran out of memory at stays out of reach of every later search until a trigger
+    says the memory shrank (``up``): a search on other batches (the first ones, a milestone's) may see it fit."""
     config = schedule.search
     previous = None if cold else state.last
+    if direction == "up":
+        state.failed_in_training = None  # the memory shrank: a size that failed in training may fit now
     if known_oom is not None:
         fitting, failed = known_oom  # a real step failed at `failed`, and pieces of `fitting` ran
+        known = state.failed_in_training
+        if known is not None:  # a size the last search verified after a real failure failed too: its probes cannot
+            failed = failing_from(fitting, failed)  # see what fails, so halfway to what trained for real
         previous = SearchResult(state.size, min(fitting, failed - 1), failed)
         direction = "down"
+        state.failed_in_training = failed if known is None else min(known, failed)
     plan = plan_search(
         mode=mode,
         init_val=config.init_val,
@@ -264,15 +297,50 @@ def _plan(
         previous=previous,
         direction=direction,
     )
-    return plan, direction
+    capped = below_failure(plan, state.failed_in_training)
+    if mode == "power" and capped.start != plan.start:  # on power's grid, as its sizes are (15 -> 8 for init_val 16)
+        capped = replace(capped, start=on_power_grid(config.init_val, capped.start, capped.upper))
+    return capped, direction
 
 
-def _nothing_fits(what: str, label: str, epoch: int, result: SearchResult) -> RetuneError:
+def _check_cycles(trainer: Any, where: str, before: int, size: int, say: Say, *, first: bool) -> None:
+    """Warn where a schedule built for a fixed number of optimizer steps (``OneCycleLR``) no longer fits the fit
+    now that the batch size (or the accumulation) changed: ``configure_optimizers`` runs before the search at
+    fit start, so a ``total_steps`` taken from ``trainer.estimated_stepping_batches`` counts the placeholder's
+    steps, and a later search changes the steps per epoch again (unless ``keep_effective`` keeps them)."""
+    remaining = compat.remaining_optimizer_steps(trainer)
+    if remaining is None:
+        return
+    if first:
+        how = (
+            f"configure_optimizers ran before this search, at batch size {before}, so a total_steps taken from "
+            "trainer.estimated_stepping_batches counts that size's steps. Start the model at the size found "
+            f"({size}), or use a schedule measured in epochs"
+        )
+    else:
+        how = (
+            "its total_steps was fixed when it was built. Use apply.accumulate: keep_effective (the steps per "
+            "epoch stay as they were), or a schedule measured in epochs"
+        )
+    for scheduler in compat.cycle_schedulers(trainer):
+        problem = cycle_mismatch(int(scheduler.total_steps), int(getattr(scheduler, "last_epoch", 0)), remaining)
+        if problem is not None:
+            say(
+                f"{where}: {type(scheduler).__name__} does not fit the run at batch size {size}: {problem}; {how}",
+                warn=True,
+            )
+
+
+def _nothing_fits(what: str, label: str, epoch: int, result: SearchResult, budget: int | None) -> RetuneError:
     smallest = min(t.batch_size for t in result.trials) if result.trials else 1
+    count = len(result.trials)
+    within = "memory" if budget is None else f"memory.budget ({budget / 2**20:.4g} MiB)"
     return RetuneError(
-        f"no {what} fits in memory after trigger {label!r} at epoch {epoch}: the smallest "
-        f"size tried, {smallest}, ran out of memory ({len(result.trials)} trials). Free memory (freeze "
-        f"more layers, lower precision, shorter inputs) or raise search.max_trials if it stopped early."
+        f"no {what} fits in {within} after trigger {label!r} at epoch {epoch}: the smallest "
+        f"size tried, {smallest}, ran out of memory ({count} trial{'' if count == 1 else 's'}). Free memory (freeze "
+        "more layers, lower precision, shorter inputs)"
+        + ("" if budget is None else ", raise memory.budget")
+        + " or raise search.max_trials if it stopped early."
     )
 
 
@@ -284,16 +352,24 @@ def apply_policies(
     after: int,
     *,
     first_tune: bool,
+    trained: bool = False,
     say: Say,
 ) -> tuple[int, float]:
-    """Keep the effective batch size and/or scale learning rates (the schedule's ``apply``)."""
+    """Keep the effective batch size and/or scale learning rates (the schedule's ``apply``).
+
+    The first tune sets the target, and the learning rates belong to it, unless the run has ``trained``
+    already: a first search after training steps (an ``oom`` re-search, an epoch milestone without
+    ``fit_start``) keeps the effective batch size and the rates the run trained with, at ``before``."""
     policy = schedule.apply
     accumulate_before = compat.get_accumulation(trainer)
     accumulate = accumulate_before
+    sets_target = first_tune and not trained
     if policy.accumulate == "keep_effective":
-        if policies.reference_effective is None:
+        if policies.reference_effective is None and sets_target:
             policies.reference_effective = after * accumulate_before  # the first tune sets the target
         else:
+            if policies.reference_effective is None:  # the size the run trained at is the target
+                policies.reference_effective = before * accumulate_before
             plan = accumulation_for(policies.reference_effective, after)
             if not plan.exact:
                 say(
@@ -306,8 +382,11 @@ def apply_policies(
         compat.set_accumulation(trainer, accumulate)
     # the learning rates you configured belong to the first tuned size (the model's starting batch size
     # is often a placeholder): scaling starts from there, like keep_effective's target
-    factor = 1.0 if first_tune else lr_factor(policy.lr_scaling, before * accumulate_before, after * accumulate)
+    factor = 1.0 if sets_target else lr_factor(policy.lr_scaling, before * accumulate_before, after * accumulate)
+    rates = [float(g[k]) for o in trainer.optimizers for g in o.param_groups for k in ("lr", "initial_lr") if k in g]
     scale_learning_rates(trainer.optimizers, compat.lr_holders(trainer), factor)
+    # a model's `lr`/`learning_rate` that names a group's rate moves with it (a warm-up in optimizer_step reads it)
+    compat.scale_lr_attributes(trainer, trainer.lightning_module, rates, factor)
     return accumulate, factor
 
 

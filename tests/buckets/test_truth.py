@@ -180,3 +180,37 @@ def test_a_recovered_step_is_reported_at_its_buckets_size_not_the_longest_bucket
         assert event.batch_size_before == event.batch_size_after == sizes[0], (event, sizes)
         failed = int(event.note.split("on a batch of ")[1].split(";")[0])
         assert 1 < failed <= sizes[0], (failed, sizes)  # the failed batch is the short bucket's (partial or whole)
+
+
+def test_a_size_that_failed_in_a_real_step_stays_out_of_reach_at_later_milestones() -> None:
+    """The heavy sample's batch runs out of memory in a real step (the probes see each bucket's longest
+    samples, not its heaviest); the ``oom`` re-search lowers that bucket, and an epoch milestone's full search
+    after it must not raise it back to the size that failed (before, it did, and the bucket ran out of memory
+    again every other epoch)."""
+    seed(0)
+    data = _data()
+    scan = scan_sizes(data, range(len(data)), tokens)
+    plan = plan_buckets(scan.order, scan.sizes, 4)
+    heavy, cost = plan.members[0][-1], 2 * plan.largest[1]  # the shortest bucket's shortest sample: never probed
+    model = _CostOracle(data, capacity=2048, heavy={heavy: cost})
+    schedule = _oracle_schedule(True)
+    schedule["triggers"].append({"kind": "epoch", "every": 1})
+    schedule["search"]["probe_samples"] = "largest"
+    finder = ScheduledBatchSizeFinder(schedule, sample_size=tokens, verbose=False, write_report=False)
+    bucket_data.trainer([finder], epochs=5).fit(model)
+    failed: dict[int, int] = {}
+    bounds: list[int] | None = None
+    shown = [(e.trigger, e.epoch, e.bucket_sizes, e.bucket_bounds) for e in finder.history]
+    for event in finder.history:
+        if event.is_recovery:
+            bucket = int(event.note.split("bucket ")[1].split()[0].strip(",;:()"))
+            size = int(event.note.split("on a batch of ")[1].split(";")[0])
+            failed[bucket] = min(size, failed.get(bucket, size))
+            continue
+        if bounds is not None and list(event.bucket_bounds) != bounds:
+            failed = {}  # cut anew: other buckets
+        bounds = list(event.bucket_bounds)
+        for bucket, size in failed.items():
+            assert event.bucket_sizes[bucket] < size, shown
+    assert failed, shown  # a real step ran out of memory
+    assert any(e.trigger == "epoch" for e in finder.history), shown

@@ -304,6 +304,18 @@ def test_no_size_fits_raises_retune_error_naming_trigger_epoch_and_smallest_size
     assert re.search(r"smallest\b.*?\b1\b", message), message
     assert model.batch_size == START  # put back, not left at the last (failed) trial size
     assert model.seen == [] and finder.history == [] and finder.batch_size is None
+    assert "memory.budget" not in message  # none was set
+
+
+def test_no_size_fits_names_the_budget_where_one_is_set() -> None:
+    """A budget too small for one sample: the message says the budget is what nothing fits in, and to raise it."""
+    sched = schedule("fit_start", init_val=4)
+    sched["memory"] = {"budget": "1KiB"}
+    finder = ScheduledBatchSizeFinder(sched, verbose=False)
+    with pytest.raises(RetuneError) as info:
+        make_trainer(finder).fit(C.AttrModel(oracle=MemoryOracle(capacity=100)))
+    message = str(info.value)
+    assert "fits in memory.budget (0.0009766 MiB)" in message and "raise memory.budget" in message, message
 
 
 def _failing_run(make_exc: Callable[[], BaseException], finder_first: bool) -> tuple[Any, Any, Any, Any]:

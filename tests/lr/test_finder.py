@@ -535,3 +535,57 @@ def test_exported_and_in_the_json_schema() -> None:
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 _ = LEGACY
+
+
+class WarmsUpFromHparams(FineTuneModel):
+    """Lightning's documented warm-up: ``optimizer_step`` sets every group's rate from ``hparams.learning_rate``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters({"learning_rate": 0.05})
+        self.rates: list[float] = []
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        closure = kwargs.get("optimizer_closure", args[-1] if args and callable(args[-1]) else None)
+        optimizer.step(closure=closure)
+        scale = min(1.0, (self.trainer.global_step + 1) / 5)
+        for group in optimizer.param_groups:
+            group["lr"] = scale * self.hparams.learning_rate
+        self.rates.append(optimizer.param_groups[0]["lr"])
+
+
+def test_the_models_learning_rate_attribute_takes_the_suggestion(tmp_path: Path) -> None:
+    """As Lightning's ``LearningRateFinder`` does: an ``lr``/``learning_rate`` the rate came from is set too, so a
+    step that reads it (a warm-up in ``optimizer_step``) trains at the suggestion, not at the old rate."""
+    seed(7)
+    model = WarmsUpFromHparams(batch_size=64, n=512, head_only_optimizer=False, scheduler=None)
+    finder = ScheduledLRFinder({"triggers": [{"kind": "fit_start"}], "lr_find": LR_FIND}, verbose=False)
+    _trainer(tmp_path, [finder], epochs=1).fit(model)
+    (event,) = finder.history
+    assert event.lr_after is not None and event.lr_after != 0.05
+    assert model.hparams.learning_rate == event.lr_after and "`learning_rate` set too" in event.note
+    assert model.rates[-1] == pytest.approx(event.lr_after)  # warmed up to the suggestion
+
+
+def test_an_attribute_naming_another_groups_rate_is_left_alone(tmp_path: Path) -> None:
+    """At the unfreeze only the backbone's new group is tested: the model's ``lr`` is the head's rate."""
+    schedule = {"triggers": [{"kind": "trainable_params_changed"}], "lr_find": LR_FIND}
+    finder = ScheduledLRFinder(schedule, verbose=False, write_report=False)
+    model = _model(scheduler=None)
+    model.lr = 0.05  # the head's rate, as configure_optimizers builds it
+    _trainer(tmp_path, [finder, _backbone()], epochs=UNFREEZE_AT + 1).fit(model)
+    (event,) = finder.history
+    assert event.groups == [1] and model.lr == 0.05 and "set too" not in event.note
+
+
+def test_an_attribute_that_names_a_tested_and_an_untested_groups_rate_is_left_alone(tmp_path: Path) -> None:
+    """The backbone's new group starts at the head's rate (``backbone_initial_ratio_lr=1``): the model's ``lr`` names
+    both, so it is not the tested group's alone, and stays."""
+    schedule = {"triggers": [{"kind": "trainable_params_changed"}], "lr_find": LR_FIND}
+    finder = ScheduledLRFinder(schedule, verbose=False, write_report=False)
+    model = _model(scheduler=None)
+    model.lr = 0.05
+    _trainer(tmp_path, [finder, _backbone(backbone_initial_ratio_lr=1.0)], epochs=UNFREEZE_AT + 1).fit(model)
+    (event,) = finder.history
+    assert event.groups == [1] and event.lrs_before == [pytest.approx(0.05)]
+    assert model.lr == 0.05 and "set too" not in event.note

@@ -286,3 +286,42 @@ def test_fp16_with_its_grad_scaler() -> None:
     assert any(e.is_recovery for e in finder.history)
     assert trainer.precision_plugin.scaler.get_scale() == base_trainer.precision_plugin.scaler.get_scale()
     assert _max_diff(base, model) < 1e-4
+
+
+class HeavyLastBatch(TokenModel):
+    """One sample (the last) costs ten times its tokens: the first batches, which a search probes, fit at sizes
+    the epoch's last batch runs out of memory at."""
+
+    def _tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        heavy = len(self.data) - 1 in batch["index"].tolist()
+        return int(batch["input_ids"].numel()) * (10 if heavy else 1)
+
+
+@pytest.mark.parametrize("mode", ["power", "binsearch"])
+def test_a_size_that_failed_in_training_is_not_used_again_by_a_later_search(mode: str) -> None:
+    """An epoch milestone's search probes the first batches, where a size that ran out of memory on a later
+    batch fits: that size (and any larger) stays out of reach until the memory shrinks. Before, the milestone
+    went back to it and the run alternated between running out of memory and recovering."""
+    schedule = {
+        "triggers": [{"kind": "oom"}, {"kind": "epoch", "every": 1}],
+        "search": {"steps_per_trial": 1, "mode": mode, "init_val": 16},
+    }
+    _, finder, _ = _fit(2000, "forward", schedule, epochs=4, model_kwargs={"shuffle": False}, model_cls=HeavyLastBatch)
+    shown = [(e.trigger, e.epoch, e.batch_size_after, e.min_failing) for e in finder.history]
+    failed: int | None = None
+    for event in finder.history:
+        if event.is_recovery:
+            continue
+        if failed is not None:
+            assert event.batch_size_after < failed, shown
+        if "oom" in event.trigger and event.min_failing is not None:
+            failed = event.min_failing if failed is None else min(failed, event.min_failing)
+    assert failed is not None, shown  # the capacity makes a real step run out of memory
+    assert any(e.trigger == "epoch" for e in finder.history), shown  # and a milestone searches after it
+
+
+def test_a_size_that_failed_in_training_is_kept_in_the_checkpoint() -> None:
+    from retune.search.stage import StageState
+
+    state = StageState.from_dict({**StageState(size=8).to_dict(), "failed_in_training": 12})
+    assert state.failed_in_training == 12 and StageState.from_dict(state.to_dict()) == state

@@ -581,3 +581,20 @@ def test_model_mode_without_phases_at_a_size_keeps_one_line() -> None:
     plan = SearchPlan("model", start=8, max_trials=25, margin=0.0, upper=4096)
     result = run_model_search(plan, measure, 8000, phases=lambda size: None)
     assert result.max_fitting == 1000 and len(result.trials) == 3
+
+
+def test_a_size_that_failed_in_training_caps_every_later_plan_on_powers_grid() -> None:
+    """``StageState.failed_in_training`` (a real step ran out of memory at 16) keeps 16 and above out of reach of a
+    later search, a cold one too; a power search starts on its grid below it (8 for init_val 16, not 15)."""
+    from retune import load_schedule
+    from retune.search.stage import StageState, _plan
+
+    for mode, start in (("power", 8), ("binsearch", 15)):
+        schedule = load_schedule(
+            {"triggers": [{"kind": "epoch", "every": 1}], "search": {"mode": mode, "init_val": 16}}
+        )
+        state = StageState(size=4, failed_in_training=16)
+        plan, direction = _plan(schedule, mode, None, state, True, "unknown", None)  # type: ignore[arg-type]
+        assert (plan.start, plan.known_fail, direction) == (start, 16, "unknown")
+        plan, _ = _plan(schedule, mode, None, state, False, "up", None)  # type: ignore[arg-type]
+        assert plan.known_fail is None and state.failed_in_training is None  # the memory shrank: forgotten

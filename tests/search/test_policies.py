@@ -689,3 +689,69 @@ def test_resume_after_the_retune_keeps_the_accumulation(tmp_path: Path) -> None:
     assert rec.batch_sizes[2][0] == 16 and model.batch_size == 16
     assert rec.steps == {2: 4}
     assert resumed.global_step == 4 + 4 + 4
+
+
+@pytest.mark.parametrize("accumulate, lr_scaling", [("keep_effective", "none"), ("free", "linear")])
+def test_a_first_search_after_training_keeps_what_the_run_trained_with(accumulate: str, lr_scaling: str) -> None:
+    """No ``fit_start`` trigger: epoch 0 trains at the model's 32, and the first search (epoch 1, where only 16
+    fits) is not a placeholder's tune: ``keep_effective`` keeps 32 (16 x 2), linear scaling halves the rates."""
+    schedule = _schedule(accumulate, lr_scaling, triggers="epoch")
+    schedule["triggers"] = schedule["triggers"][1:]  # the epoch milestone alone
+    model = LinearModel(batch_size=32, limits=(64, 16), limit_by="epoch")
+    _, finder, rec = _fit(model, schedule, unfreeze=False)
+    (event,) = finder.history
+    assert (event.trigger, event.batch_size_before, event.batch_size_after) == ("epoch", 32, 16)
+    if accumulate == "keep_effective":
+        assert (event.accumulate, event.effective_batch_size, event.lr_factor) == (2, 32, 1.0)
+        assert rec.accumulate == {0: {1}, 1: {2}, 2: {2}}
+    else:
+        assert (event.accumulate, event.lr_factor) == (1, 0.5)
+        assert rec.epoch_lrs[1] == pytest.approx([x / 2 for x in rec.epoch_lrs[0]])
+
+
+class EstimatedCycle(LinearModel):
+    """``OneCycleLR`` sized from ``trainer.estimated_stepping_batches`` (Lightning's documented recipe), which
+    ``configure_optimizers`` reads before the fit-start search, at the model's starting batch size."""
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=LR)
+        cycle = sched.OneCycleLR(opt, max_lr=LR, total_steps=int(self.trainer.estimated_stepping_batches))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+
+@pytest.mark.parametrize("start, words", [(128, "raises 'Tried to step 7 times'"), (4, "ends 8% into its cycle")])
+def test_a_cycle_sized_before_the_first_search_is_warned_about(start: int, words: str) -> None:
+    """At 128, 2 batches per epoch: 6 steps in 3 epochs, and at the 64 found the fit takes 12 (OneCycleLR raises at
+    the 7th); at 4, 156 steps where 12 run. The warning says which, and why: the search came after
+    ``configure_optimizers``."""
+    schedule = _schedule(triggers="epoch")
+    schedule["triggers"] = schedule["triggers"][:1]  # fit start alone
+    schedule["search"]["init_val"] = 64
+    with retune_warnings() as warnings:
+        try:
+            _fit(EstimatedCycle(batch_size=start, limit_by="epoch", limits=(64, 64)), schedule, unfreeze=False)
+        except ValueError as error:  # OneCycleLR's own, at step 7: what the warning announced
+            assert "Tried to step 7 times" in str(error)
+    cycle = [w for w in warnings if "OneCycleLR does not fit" in w]
+    assert len(cycle) == 1 and words in cycle[0], warnings
+    assert f"at batch size {start}" in cycle[0] and "before this search" in cycle[0]
+
+
+def test_a_cycle_that_fits_the_fit_is_not_warned_about() -> None:
+    schedule = _schedule(triggers="epoch")
+    schedule["triggers"] = schedule["triggers"][:1]
+    schedule["search"]["init_val"] = 64
+    with retune_warnings() as warnings:
+        _fit(EstimatedCycle(batch_size=64, limit_by="epoch", limits=(64, 64)), schedule, unfreeze=False)
+    assert not [w for w in warnings if "OneCycleLR" in w], warnings
+
+
+def test_lr_scaling_moves_the_models_learning_rate_attribute_with_the_rates() -> None:
+    """A model whose ``lr`` names its group's rate (read again by a warm-up in ``optimizer_step``, or by a rebuilt
+    optimizer) has it scaled with the rates; an ``lr`` that names no group's rate is left alone."""
+    model = LinearModel()
+    model.lr, model.learning_rate = LR, 0.123
+    _, finder, _ = _fit(model, _schedule("free", "linear"))
+    _, second = finder.history
+    assert second.lr_factor == pytest.approx(16 / 64)
+    assert model.lr == pytest.approx(LR * second.lr_factor) and model.learning_rate == 0.123
