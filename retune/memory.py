@@ -476,7 +476,7 @@ def _storage_bytes(tensors: Iterable[Any]) -> int:
 
 
 def resident_in_evaluation(
-    module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer], counted_now: bool
+    module: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer], counted_now: bool, upcoming: bool = True
 ) -> int:
     """Bytes resident when validation runs inside fit that an evaluation probe run now would not see.
 
@@ -490,16 +490,24 @@ def resident_in_evaluation(
     allocated bytes); only what does not exist yet is added. Otherwise (the CPU tracker, which
     counts parameters and buffers only for an evaluation probe) the existing gradients and state
     are added as well.
+
+    ``upcoming=False``: a ``trainer.validate()``/``test()``/``predict()`` run on its own, after a fit: no training
+    step follows, so only what exists now is resident (the gradients the fit left on the parameters, and the state
+    of the optimizers it kept), and only where the probe's statistic does not count it already (a CPU budget: a
+    validation after a fit measured 1.05x its budget).
     """
     optimizers = list(optimizers)
     trainable = [p for p in module.parameters() if p.requires_grad]
-    missing_grads = [p for p in trainable if p.grad is None]
-    extra = sum(local(p).numel() * p.element_size() for p in missing_grads)  # allocated by the next backward
+    extra = 0
+    if upcoming:  # allocated by the next backward
+        extra += sum(local(p).numel() * p.element_size() for p in trainable if p.grad is None)
     if not counted_now:
-        extra += _storage_bytes(p.grad for p in trainable if p.grad is not None)
+        grads = (p.grad for p in module.parameters() if p.grad is not None)
+        extra += _storage_bytes(grads if not upcoming else (p.grad for p in trainable if p.grad is not None))
         extra += _storage_bytes(value for opt in optimizers for state in opt.state.values() for value in state.values())
-    for optimizer in optimizers:
-        extra += pending_state_bytes(optimizer)
+    if upcoming:
+        for optimizer in optimizers:
+            extra += pending_state_bytes(optimizer)
     return extra
 
 

@@ -115,3 +115,32 @@ def test_resident_in_evaluation_adds_only_what_a_device_allocator_does_not_see_y
     assert resident_in_evaluation(net, [optimizer], counted_now=True) == 0  # all allocated now, counted
     state = sum(v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values())
     assert resident_in_evaluation(net, [optimizer], counted_now=False) == param_bytes + state
+
+
+def test_a_validate_call_after_the_fit_stays_within_the_budget() -> None:
+    """``trainer.validate()`` on its own after a fit: the gradients the fit left on the parameters and the
+    optimizer's state are still resident (nothing follows to allocate more). The search counted neither on a CPU
+    budget, and the real step measured 1.05x its budget."""
+    seed(0)
+    model = _ValModel(frozen=True)
+    schedule = bucket_data.schedule(batching="fixed", mode="binsearch", margin=0.0)
+    schedule["stages"] = ["train", "val"]
+    finder = ScheduledBatchSizeFinder(schedule, sample_size=tokens, verbose=False, write_report=False)
+    peaks = _ValPeaks()
+    trainer = bucket_data.trainer([UnfreezeAt(1), peaks, finder], epochs=2, limit_val_batches=3)
+    trainer.fit(model)
+    peaks.peaks.clear()
+    trainer.validate(model, verbose=False)
+    assert finder.history[-1].trigger == "validate_start"
+    assert peaks.peaks and max(p for _, _, p in peaks.peaks) <= BUDGET, [p / BUDGET for _, _, p in peaks.peaks]
+    assert max(p for _, _, p in peaks.peaks) > 0.8 * BUDGET  # and not needlessly small
+
+
+def test_resident_after_a_fit_counts_what_exists_and_nothing_to_come() -> None:
+    net = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(net.parameters())
+    assert resident_in_evaluation(net, [optimizer], counted_now=False, upcoming=False) == 0  # nothing exists yet
+    net(torch.randn(2, 4)).sum().backward()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in net.parameters() if p.grad is not None)
+    assert resident_in_evaluation(net, [optimizer], counted_now=False, upcoming=False) == grads
+    assert resident_in_evaluation(net, [optimizer], counted_now=True, upcoming=False) == 0  # an allocator counts it

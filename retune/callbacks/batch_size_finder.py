@@ -125,6 +125,7 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         self._trial_no = 0
         self._stages: dict[str, StageState] = {}
         self._policies = Policies()
+        self._eval_rng_undo: Callable[[], None] | None = None
 
     @property
     def batch_size(self) -> int | None:
@@ -152,6 +153,9 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             self._recovery.check_strategy(trainer)
         self._attrs.check_setup(trainer, pl_module, stage)
         if stage != "fit":
+            searched = {"validate": "val", "test": "test", "predict": "predict"}.get(stage)
+            if searched in self.schedule.stages:  # the loop's draws for its loader, kept for the rebuilt one's
+                self._eval_rng_undo = compat.watch_eval_iterator(trainer, searched)
             return
         if self._recovery is not None:
             self._recovery.check_fit(pl_module)
@@ -275,12 +279,19 @@ class ScheduledBatchSizeFinder(RetuneCallback):
     def _unguard_eval(self) -> None:
         if self._recovery is not None:
             self._recovery.unguard_eval()
+        self._unwatch_eval()
+
+    def _unwatch_eval(self) -> None:
+        undo, self._eval_rng_undo = self._eval_rng_undo, None
+        if undo is not None:
+            undo()
 
     def _uninstall(self) -> None:
         if self._buckets is not None:
             self._buckets.uninstall()
         if self._recovery is not None:
             self._recovery.uninstall()
+        self._unwatch_eval()
 
     def _follow_data(self, trainer: Any, pl_module: Any, change: Change) -> None:
         """Train the changed data within the memory found (``retune.callbacks.data_follow``): the train size (each

@@ -204,6 +204,7 @@ class OomRecovery:
                 split_fn=self.split_batch,
                 on_recovered=lambda done: self.recovered(trainer, pl_module, stage, done),
                 where=lambda: f"{stage}, epoch {trainer.current_epoch}, global step {trainer.global_step}",
+                module=pl_module,
             )
             self.eval = recovery
             return recovery

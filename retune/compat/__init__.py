@@ -48,6 +48,7 @@ from retune.compat.data import (
     reload_dataloader,
     request_dataloader,
     transfer_batch,
+    watch_eval_iterator,
 )
 from retune.compat.distributed import (
     all_gather_object,
@@ -155,5 +156,6 @@ __all__ = [
     "transfer_batch",
     "unshare_spawned_weights",
     "without_attached",
+    "watch_eval_iterator",
     "wrap_eval_step",
 ]

@@ -9,7 +9,7 @@ is about to start must run at the new size.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from itertools import islice
 from typing import Any
 
@@ -17,7 +17,7 @@ from retune.compat import combined_loaders
 from retune.compat.loops import eval_loop, trainer_fn
 from retune.compat.namespace import import_module, is_legacy, namespace_of
 from retune.errors import RetuneError
-from retune.random_state import preserved_rng, sampler_generators
+from retune.random_state import RngStates, preserved_rng, sampler_generators
 
 _HOOKS = {
     "train": "train_dataloader",
@@ -103,7 +103,46 @@ def reload_dataloader(trainer: Any, stage: str) -> None:
     if trainer_fn(trainer) == "fit":
         return  # validation inside fit rebuilds it when it next runs
     loop.setup_data()  # validate/test/predict: the loop is starting now, as in Lightning's own finder
+    before = loop.__dict__.get(_RNG_BEFORE_ITERATOR)
+    if isinstance(before, RngStates):
+        # the loop made the replaced loader's iterator before the search (its base seed, a shuffled sampler's
+        # permutation: draws a run started at this size makes once); the new one draws from where that one did
+        before.restore()
     loop.reset()
+
+
+_RNG_BEFORE_ITERATOR = "_retune_rng_before_iterator"
+
+
+def watch_eval_iterator(trainer: Any, stage: str) -> Callable[[], None]:
+    """2.x, ``trainer.validate``/``test``/``predict``: note the random states right before the ``stage`` loop makes
+    its loader's iterator (its ``reset``, which runs before the ``on_*_start`` hooks where retune searches), for
+    :func:`reload_dataloader`; returns what puts the loop back. Without it, the rebuilt loader's iterator drew its
+    base seed and a shuffled sampler's order after the first one had: another subset of a shuffled test set under
+    ``limit_test_batches``, other ``multinomial`` draws in ``predict_step``. 1.9 makes the iterator after the hooks
+    (nothing to note); inside ``fit`` the train stage's own rebuild keeps the draws (:func:`reload_dataloader`)."""
+    if is_legacy(trainer) or trainer_fn(trainer) == "fit":
+        return _nothing
+    loop = eval_loop(trainer, stage)
+    original = loop.reset
+
+    def reset() -> None:
+        combined = loop._combined_loader
+        loaders = combined.flattened if combined is not None else []
+        loop.__dict__[_RNG_BEFORE_ITERATOR] = RngStates.capture([g for dl in loaders for g in sampler_generators(dl)])
+        original()
+
+    loop.reset = reset
+
+    def undo() -> None:
+        loop.__dict__.pop("reset", None)
+        loop.__dict__.pop(_RNG_BEFORE_ITERATOR, None)
+
+    return undo
+
+
+def _nothing() -> None:
+    return None
 
 
 _seed_given = False

@@ -157,9 +157,14 @@ class Prober:
         self.headroom = 0
         self._readings.clear()
         self._phases.clear()
-        in_fit = self.stage != "train" and compat.trainer_fn(self.trainer) == "fit"
-        optimizers = list(self.trainer.optimizers) if in_fit else []
-        self.eval_extra = resident_in_evaluation(self.pl_module, optimizers, self._stats is not None) if in_fit else 0
+        evaluating = self.stage != "train"
+        in_fit = evaluating and compat.trainer_fn(self.trainer) == "fit"
+        optimizers = list(self.trainer.optimizers) if evaluating else []
+        self.eval_extra = (
+            resident_in_evaluation(self.pl_module, optimizers, self._stats is not None, upcoming=in_fit)
+            if evaluating
+            else 0
+        )
         if self._stats is not None:
             # what training left cached (an earlier epoch's larger blocks) goes back first, budget or not: a
             # trial's new optimizer state would be carved out of a cached segment and pin it, and the trial's

@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from retune.errors import RetuneError
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.recovery.micro_batches import KeptSplit, Recovered, all_single, samples_in
+from retune.recovery.side_effects import SideEffects
 from retune.recovery.split import SplitFn, batch_length, join_outputs, pieces_for, split_batch
 
 
@@ -35,8 +38,11 @@ class EvalStepRecovery(KeptSplit):
         where: Callable[[], str] = lambda: "",
         save_logs: Callable[[], Callable[[], None]] = lambda: lambda: None,
         journal_logs: Callable[[], tuple[Callable[[], None], Callable[[], None]]] | None = None,
+        module: torch.nn.Module | None = None,
     ) -> None:
         self.step = step
+        self.module = module
+        """Whose torchmetrics states and public attributes a round of micro-batches that fails partway puts back."""
         self.save_logs = save_logs
         self.journal_logs = journal_logs
         self.logging = logging
@@ -79,10 +85,14 @@ class EvalStepRecovery(KeptSplit):
                     )
                 raise RetuneError(f"split_batch gives no more pieces than {tried} for {pieces}")
             restore_logs = self.save_logs()
+            # a round that runs out of memory partway leaves nothing: its logs, metric updates, appended outputs
+            round_start = SideEffects.capture(self.module) if self.module is not None else None
             outputs = self._run(micro, args, kwargs)
             if outputs is not None:
                 break
             restore_logs()
+            if round_start is not None:
+                round_start.restore()
             clear_device_cache()
             tried = len(micro)
             pieces = pieces * 2 if total is None else min(pieces * 2, total)

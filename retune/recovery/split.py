@@ -18,7 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -140,6 +140,26 @@ def _is_container_of_batches(value: Sequence[Any]) -> bool:
     )
 
 
+def _holds_batches(value: Sequence[Any], size: int | None) -> bool:
+    """Whether every tensor with a dimension in ``value`` (a tuple/list, nested containers included) has ``size``
+    rows, as the parts of a micro-batch's output like ``(logits, x)`` do; None: unknown, so yes."""
+    if size is None:
+        return True
+
+    def leaves(item: Any) -> Iterator[torch.Tensor]:
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, Mapping):
+            for v in item.values():
+                yield from leaves(v)
+        elif isinstance(item, (list, tuple)):
+            for v in item:
+                yield from leaves(v)
+
+    shaped = [t for t in leaves(list(value)) if t.dim() > 0]
+    return bool(shaped) and all(t.shape[0] == size for t in shaped)
+
+
 def _all_same_shape_tensors(value: Sequence[Any]) -> bool:
     """A nested list of same-shape tensors and nothing else: per-sample tensors (``tuple(zip(*samples))``)."""
     return (
@@ -259,9 +279,23 @@ def join_outputs(outputs: Sequence[Any], sizes: Sequence[int | None] | None = No
     if isinstance(first, Mapping) and all(isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs):
         return _rebuild_mapping(first, {key: join_outputs([o[key] for o in outputs], sizes) for key in first})
     if isinstance(first, (list, tuple)) and all(type(o) is type(first) for o in outputs):
-        if _is_container_of_batches(first) and all(len(o) == len(first) for o in outputs):
+        same_length = all(len(o) == len(first) for o in outputs)
+        per_sample = sizes is not None and all(len(o) == n for o, n in zip(outputs, sizes, strict=True))
+        # `(logits, x)` holds batches: its tensors' first dimension is the micro-batch's size. A list of one tensor
+        # per sample (`list(logits.unbind(0))`, generated sequences of their own lengths) is as long as the
+        # micro-batch instead, and is concatenated: joined position by position it kept the last micro-batch's
+        holds = (
+            _is_container_of_batches(first)
+            and same_length
+            and (
+                sizes is None
+                or not per_sample
+                or all(_holds_batches(o, n) for o, n in zip(outputs, sizes, strict=True))
+            )
+        )
+        if holds:
             parts = [join_outputs([o[i] for o in outputs], sizes) for i in range(len(first))]
-        elif sizes is None or all(len(o) == n for o, n in zip(outputs, sizes, strict=True)):
+        elif sizes is None or per_sample:
             parts = [item for o in outputs for item in o]  # per-sample lists: concatenate
         else:
             return outputs[-1]

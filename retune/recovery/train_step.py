@@ -43,8 +43,6 @@ import torch
 from retune import messages
 from retune.errors import RetuneError
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
-from retune.probing.attributes import ModuleAttributes
-from retune.probing.metric_states import MetricStates
 from retune.recovery.gradients import FinishedGradients, GradientsAside
 from retune.recovery.loss_items import ItemsFn, count_items, resolve_items_fn, token_labels_hint
 from retune.recovery.micro_batches import (
@@ -58,6 +56,7 @@ from retune.recovery.micro_batches import (
 )
 from retune.recovery.oom_sites import add_note, oom_site, split_helps, why_not_recovered
 from retune.recovery.running_stats import RunningStats, needs_two_samples
+from retune.recovery.side_effects import SideEffects
 from retune.recovery.split import SplitError, SplitFn, batch_length, pieces_for, split_batch
 from retune.recovery.step_rng import StepRng
 from retune.step_parts import StepParts
@@ -411,23 +410,6 @@ class TrainStepRecovery(KeptSplit):
 
 def _none() -> None:
     return None
-
-
-class SideEffects:
-    """A module's torchmetrics states and public attributes (:mod:`retune.probing.metric_states`,
-    :mod:`retune.probing.attributes`), saved, and put back by :meth:`restore` (attributes first, then the metrics,
-    as the probes do: an attribute rebound after them would name the updated state object again)."""
-
-    def __init__(self, metrics: MetricStates, attributes: ModuleAttributes) -> None:
-        self.metrics, self.attributes = metrics, attributes
-
-    @classmethod
-    def capture(cls, module: torch.nn.Module) -> SideEffects:
-        return cls(MetricStates.capture(module), ModuleAttributes.capture(module, bindings=True))
-
-    def restore(self) -> None:
-        self.attributes.restore()
-        self.metrics.restore()
 
 
 def _running_stats(module: torch.nn.Module | None) -> RunningStats | None:

@@ -176,3 +176,43 @@ def test_an_eval_stage_without_its_dataloader_hook_from_the_module_is_refused() 
     finder = ScheduledBatchSizeFinder(_schedule("test"), verbose=False)
     with pytest.raises(RetuneError, match="test_dataloader"):
         _trainer(finder).test(model, dataloaders=DataLoader(model.data, batch_size=4))
+
+
+class Sampling(StagedModel):
+    """A shuffled test loader and a ``predict_step`` that samples (``multinomial``, as a generative model does): what
+    an evaluation run on its own draws depends on where torch's RNG stood when the loop made its loader's
+    iterator."""
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self._size("test"), shuffle=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        _oom_above(batch[0].shape[0], EVAL_MAX)
+        self.seen.setdefault("first", []).append(float(batch[0][0, 0]))
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        _oom_above(batch[0].shape[0], EVAL_MAX)
+        return torch.multinomial(self.net(batch[0]).softmax(-1), 1).squeeze(1)
+
+
+@pytest.mark.parametrize("stage", ["test", "predict"])
+def test_an_evaluation_run_searched_draws_what_a_run_at_the_size_found_draws(stage: str) -> None:
+    """Before (2.x), the rebuilt loader's iterator drew its base seed and the shuffle after the first one had: the
+    test saw another first batch, and the predictions sampled other classes (1.9 makes the iterator later)."""
+    runs = []
+    for searched in (True, False):
+        pl.seed_everything(0)
+        model = Sampling()
+        if not searched:
+            setattr(model, f"{stage}_batch_size", EVAL_MAX)  # the size the search finds (oracle: EVAL_MAX fits)
+        finder = ScheduledBatchSizeFinder(_schedule(stage), verbose=False)
+        trainer = _trainer(finder, limit_test_batches=1, **({} if searched else {"callbacks": []}))  # plain: none
+        out = trainer.test(model, verbose=False) if stage == "test" else trainer.predict(model)
+        runs.append((model, out, torch.rand(1).item(), finder))
+    (model, out, after, finder), (plain, plain_out, plain_after, _) = runs
+    assert getattr(model, f"{stage}_batch_size") == EVAL_MAX and finder.history
+    if stage == "test":
+        assert model.seen["first"] == plain.seen["first"]
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(out, plain_out, strict=True))
+    assert after == plain_after  # and the run's RNG goes on from the same place

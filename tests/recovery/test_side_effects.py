@@ -140,3 +140,56 @@ def test_a_round_of_micro_batches_that_fails_partway_counts_nothing() -> None:
     assert finder.history and finder.history[0].micro_batches >= 4  # rounds of 8 and 4 failed before 2 fit
     assert model.seen.compute().item() == base.seen.compute().item() == 16
     assert trainer.callback_metrics["acc"].item() == pytest.approx(base_trainer.callback_metrics["acc"].item())
+
+
+class WeightedEval(pl.LightningModule):  # type: ignore[misc,name-defined]
+    """Each batch of 8 holds six samples of weight 1 and two of 5; a step whose weight passes 8 runs out of memory
+    (the real error type) before it counts its samples: a round of 4 fails partway (its first half, 4, counted;
+    its second, 12, fails), rounds of 2 fit."""
+
+    def __init__(self, capacity: float | None) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.net = torch.nn.Linear(4, 3)
+        self.batch_size = 8
+        g = torch.Generator().manual_seed(3)
+        weights = torch.ones(32)
+        weights[6::8] = weights[7::8] = 5
+        inputs, labels = torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g)
+        self.data = torch.utils.data.TensorDataset(inputs, labels, weights)
+        self.count = torchmetrics.SumMetric()
+        self.outs: list[int] = []
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.data, batch_size=self.batch_size)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.capacity is not None and float(batch[2].sum()) > self.capacity:
+            raise torch.OutOfMemoryError("CUDA out of memory (oracle: weight above capacity)")
+        self.count.update(float(len(batch[0])))
+        self.outs.append(len(batch[0]))
+        self.log("val_loss", F.cross_entropy(self.net(batch[0]), batch[1]), batch_size=len(batch[0]))
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val_count", self.count.compute())
+        self.log("val_outs", float(sum(self.outs)))
+
+
+@pytest.mark.timeout(120)
+def test_an_evaluation_round_that_fails_partway_counts_nothing() -> None:
+    """Before, a round of micro-batches that ran out of memory partway left its metric updates and appended outputs:
+    74 samples counted where the run with memory counts 64 (and validation's logged loss was already right)."""
+    results = []
+    for capacity in (None, 8.0):
+        seed(0)
+        finder = ScheduledBatchSizeFinder(
+            {"triggers": [{"kind": "oom"}], "stages": ["train"]}, verbose=False, write_report=False
+        )
+        trainer = pl.Trainer(
+            callbacks=[finder], logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu"
+        )
+        results.append((trainer.validate(WeightedEval(capacity), verbose=False)[0], finder))
+    (base, _), (recovered, finder) = results
+    assert [e for e in finder.history if e.trigger == "oom"], "the capacity must make evaluation steps fail"
+    assert recovered["val_count"] == base["val_count"] == 32 and recovered["val_outs"] == base["val_outs"] == 32
+    assert recovered["val_loss"] == pytest.approx(base["val_loss"], rel=1e-5)

@@ -75,6 +75,21 @@ def test_join_outputs_concatenates_batch_dimensions_and_keeps_scalars() -> None:
     assert join_outputs([None, None]) is None
 
 
+def test_join_outputs_concatenates_a_list_of_one_tensor_per_sample() -> None:
+    """``list(logits.unbind(0))`` or generated sequences of their own lengths: as long as the micro-batch, so per
+    sample, and concatenated. Joined position by position (as ``(logits, x)`` is), it kept the last micro-batch's
+    four tensors of eight."""
+    logits = torch.randn(8, 3)
+    parts = [list(logits[:4].unbind(0)), list(logits[4:].unbind(0))]
+    joined = join_outputs(parts, [4, 4])
+    assert len(joined) == 8 and all(torch.equal(a, b) for a, b in zip(joined, logits.unbind(0), strict=True))
+    ragged = [[torch.ones(n) for n in (5, 6, 4, 9)], [torch.ones(n) for n in (7, 2, 3, 1)]]
+    assert [len(t) for t in join_outputs(ragged, [4, 4])] == [5, 6, 4, 9, 7, 2, 3, 1]
+    # a pair of batches as long as the micro-batch is still joined position by position
+    pairs = [(torch.zeros(2, 3), torch.zeros(2)), (torch.ones(2, 3), torch.ones(2))]
+    assert [tuple(t.shape) for t in join_outputs(pairs, [2, 2])] == [(4, 3), (4,)]
+
+
 def test_hugging_face_batch_encoding_splits_into_batch_encodings() -> None:
     transformers = pytest.importorskip("transformers")
     batch = transformers.BatchEncoding(
