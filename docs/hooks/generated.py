@@ -1,13 +1,19 @@
-"""MkDocs hook: the reference pages that are generated from the code at build time.
+"""The reference pages' sections generated from the code, committed, and kept current.
 
-Two pages hold a marker that this hook replaces while the site builds:
+Two pages hold a section between a pair of markers that is generated from the code:
 
-* ``<!-- generated:schedule-reference -->`` (``docs/reference/schedule.md``) becomes one table per
-  section of the schedule format, rendered from the pydantic models in ``retune.schedule.models``:
-  every field with its type, default, constraints and description. Adding a field to a model adds a
-  row here; ``tests/project/test_docs.py`` checks that every field of ``RetuneSchedule`` is listed.
-* ``<!-- generated:cli-reference -->`` (``docs/reference/cli.md``) becomes the ``--help`` of the
+* ``<!-- generated:schedule-reference:start -->`` ... ``:end -->`` (``docs/reference/schedule.md``): one
+  table per section of the schedule format, rendered from the pydantic models in
+  ``retune.schedule.models``: every field with its type, default, constraints and description. Adding a
+  field to a model adds a row here; ``tests/project/test_docs.py`` checks that every field of
+  ``RetuneSchedule`` is listed.
+* ``<!-- generated:cli-reference:start -->`` ... (``docs/reference/cli.md``): the ``--help`` of the
   ``retune`` command and each subcommand, from ``retune.cli.build_parser``.
+
+The generated text is committed between the markers, so the pages read whole where the site is not built
+(GitHub, an editor); ``python docs/hooks/generated.py --write`` (``make docs-generate``) rewrites it, and
+``tests/project/test_docs.py`` fails while a committed copy differs from what the code generates. The site
+build (this module is an MkDocs hook: :func:`on_page_markdown`) renders freshly generated text either way.
 
 The functions here import only retune's schedule models and CLI (pydantic, PyYAML): no mkdocs, no
 torch. That lets the tests call them in either virtual environment, mkdocs installed or not.
@@ -17,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +36,25 @@ if str(ROOT) not in sys.path:  # build against this checkout's retune, not an in
 
 from pydantic import BaseModel  # noqa: E402
 
-SCHEDULE_MARKER = "<!-- generated:schedule-reference -->"
-CLI_MARKER = "<!-- generated:cli-reference -->"
+SCHEDULE_SECTION = "schedule-reference"
+CLI_SECTION = "cli-reference"
+PAGES = {
+    SCHEDULE_SECTION: ROOT / "docs" / "reference" / "schedule.md",
+    CLI_SECTION: ROOT / "docs" / "reference" / "cli.md",
+}
+"""Each generated section and the page that holds it."""
 
-__all__ = ["CLI_MARKER", "SCHEDULE_MARKER", "cli_reference_markdown", "on_page_markdown", "schedule_reference_markdown"]
+__all__ = [
+    "CLI_SECTION",
+    "PAGES",
+    "SCHEDULE_SECTION",
+    "cli_reference_markdown",
+    "expand",
+    "main",
+    "on_page_markdown",
+    "schedule_reference_markdown",
+    "stale_pages",
+]
 
 
 def _cell(text: str) -> str:
@@ -171,10 +194,63 @@ def cli_reference_markdown() -> str:
     return "\n".join(out)
 
 
-def on_page_markdown(markdown: str, **_: Any) -> str:
-    """MkDocs event: fill the markers before the page's Markdown is rendered."""
-    if SCHEDULE_MARKER in markdown:
-        markdown = markdown.replace(SCHEDULE_MARKER, schedule_reference_markdown())
-    if CLI_MARKER in markdown:
-        markdown = markdown.replace(CLI_MARKER, cli_reference_markdown())
+def _generators() -> dict[str, Callable[[], str]]:
+    return {SCHEDULE_SECTION: schedule_reference_markdown, CLI_SECTION: cli_reference_markdown}
+
+
+def _section(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- generated:{name}:start -->\n)(.*?)(^<!-- generated:{name}:end -->)", re.S | re.M)
+
+
+def expand(markdown: str) -> str:
+    """``markdown`` with every generated section between its markers replaced by what the code generates now."""
+    for name, generate in _generators().items():
+        pattern = _section(name)
+        if pattern.search(markdown):
+            text = generate().rstrip("\n") + "\n"
+
+            def fill(match: re.Match[str], text: str = text) -> str:
+                return match.group(1) + text + match.group(3)
+
+            markdown = pattern.sub(fill, markdown)
     return markdown
+
+
+def stale_pages() -> list[Path]:
+    """The pages whose committed generated sections differ from what the code generates (or lack their markers)."""
+    stale = []
+    for name, page in PAGES.items():
+        text = page.read_text(encoding="utf-8")
+        if not _section(name).search(text) or expand(text) != text:
+            stale.append(page)
+    return stale
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:
+    """MkDocs event: the site renders freshly generated sections, whatever the committed copy holds."""
+    return expand(markdown)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--write``: rewrite the generated sections of the pages in place; ``--check``: exit 1 while one is stale."""
+    parser = argparse.ArgumentParser(description="Generate the reference pages' sections from the code.")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite the sections in place")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a committed section is stale")
+    args = parser.parse_args(argv)
+    if args.write:
+        for name, page in PAGES.items():
+            text = page.read_text(encoding="utf-8")
+            if not _section(name).search(text):
+                print(f"{page.relative_to(ROOT)}: no <!-- generated:{name}:start/end --> markers", file=sys.stderr)
+                return 1
+            page.write_text(expand(text), encoding="utf-8")
+        return 0
+    stale = stale_pages()
+    for page in stale:
+        print(f"{page.relative_to(ROOT)}: generated section is stale; run `make docs-generate`", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -238,6 +238,38 @@ def test_schedule_reference_shows_types_defaults_and_constraints() -> None:
     assert "| `triggers` | list of triggers" in reference and "| required |" in reference
 
 
+def test_committed_generated_sections_are_current() -> None:
+    """The pages hold the generated references between their markers, as the code generates them now.
+
+    Read on GitHub or in an editor (no site build), a page shows what is committed: a field added to a model,
+    or an option to the CLI, without ``make docs-generate`` would leave the page behind the code.
+    """
+    hooks = _load_hooks()
+    stale = [str(page.relative_to(ROOT)) for page in hooks.stale_pages()]
+    assert not stale, f"stale generated sections in {stale}: run `make docs-generate`"
+
+
+def test_stale_generated_section_is_found_and_rewritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page whose generated section lags the code is reported (exit 1, naming the page) and ``--write`` mends it."""
+    hooks = _load_hooks()
+    page = tmp_path / "cli.md"
+    current = hooks.PAGES[hooks.CLI_SECTION].read_text(encoding="utf-8")
+    page.write_text(current.replace("usage: retune validate", "usage: retune validat"), encoding="utf-8")
+    monkeypatch.setattr(hooks, "PAGES", {hooks.CLI_SECTION: page})
+    monkeypatch.setattr(hooks, "ROOT", tmp_path)
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        assert hooks.main(["--check"]) == 1
+    assert "cli.md: generated section is stale; run `make docs-generate`" in stderr.getvalue()
+    assert hooks.main(["--write"]) == 0
+    assert page.read_text(encoding="utf-8") == current
+    assert hooks.main(["--check"]) == 0
+    page.write_text("# no markers\n", encoding="utf-8")
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert hooks.main(["--check"]) == 1
+        assert hooks.main(["--write"]) == 1
+
+
 def test_cli_reference_has_every_subcommand() -> None:
     reference = _load_hooks().cli_reference_markdown()
     for command in ("validate", "schema", "show", "demo", "report"):
