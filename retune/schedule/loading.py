@@ -120,6 +120,28 @@ def _construct_mapping(loader: _StrictYamlLoader, node: yaml.MappingNode, deep: 
 _StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+_OCTAL = re.compile(r"[-+]?0[0-7_]+")  # YAML 1.1's octal integer: `010` is 8
+_SEXAGESIMAL = re.compile(r"[-+]?[1-9][0-9_]*(?::[0-5]?[0-9])+")  # YAML 1.1's base 60: `1:30` is 90
+
+
+def _construct_int(loader: _StrictYamlLoader, node: yaml.ScalarNode) -> int:
+    """An integer as written: YAML 1.1 reads `every: 010` as 8 and `at: [1:30]` as 90, without a word."""
+    value = int(loader.construct_yaml_int(node))
+    text = str(node.value)
+    if _OCTAL.fullmatch(text):
+        sign = text[0] if text[0] in "+-" else ""
+        decimal = sign + (text.lstrip("+-").lstrip("0_") or "0")
+        message = f"YAML 1.1 reads {text} as octal (a leading zero), the integer {value}: write {value}, or {decimal}"
+    elif _SEXAGESIMAL.fullmatch(text):
+        message = f"YAML 1.1 reads {text} as base 60 (a colon), the integer {value}: write {value}"
+    else:
+        return value
+    raise yaml.constructor.ConstructorError(None, None, message, node.start_mark)
+
+
+_StrictYamlLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
 def _reject_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:

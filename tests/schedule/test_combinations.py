@@ -179,6 +179,36 @@ def test_a_quoted_exponent_in_json_is_not_blamed_on_yaml(tmp_path: Path) -> None
         load_schedule(path)
 
 
+@pytest.mark.parametrize(
+    ("written", "message"),
+    [
+        (
+            "every: 010",
+            "line 2, column 33: YAML 1.1 reads 010 as octal (a leading zero), the integer 8: write 8, or 10",
+        ),
+        (
+            "at: [3, 012]",
+            "line 2, column 34: YAML 1.1 reads 012 as octal (a leading zero), the integer 10: write 10, or 12",
+        ),
+        ("at: [1:30]", "line 2, column 31: YAML 1.1 reads 1:30 as base 60 (a colon), the integer 90: write 90"),
+    ],
+)
+def test_yaml11_octal_and_base_60_integers_are_refused(tmp_path: Path, written: str, message: str) -> None:
+    """PyYAML reads `every: 010` as 8 and `at: [1:30]` as 90 without a word: the file would run other epochs."""
+    path = tmp_path / "octal.yaml"
+    path.write_text(f"version: 1\ntriggers: [{{kind: epoch, {written}}}]\n", encoding="utf-8")
+    with pytest.raises(ScheduleError) as info:
+        load_schedule(path)
+    assert str(info.value) == f"{path}: YAML error at {message}"
+
+
+def test_integers_yaml_reads_as_written_still_load(tmp_path: Path) -> None:
+    path = tmp_path / "plain.yaml"
+    path.write_text("triggers: [{kind: epoch, at: [0, 10, 1_000]}, {kind: epoch, every: 0x10}]\n", encoding="utf-8")
+    milestones, every = load_schedule(path).triggers
+    assert (milestones.at, every.every) == ((0, 10, 1000), 16)
+
+
 # -- 4: budgets ------------------------------------------------------------------------------------------------
 
 
