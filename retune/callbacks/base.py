@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -89,15 +90,33 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         self._restored = False
         self._disabled = False
         self._is_global_zero = True
+        self._lr_values: dict[str, float] = {}
+        """The model's ``lr``/``learning_rate`` this callback wrote (:meth:`_wrote_lr`), by name: their values at the
+        last checkpoint, written back when a fit resumes (Lightning rebuilds ``hparams`` from the constructor)."""
+        self._entry: str | None = None  # the entry point (fit, validate, test, predict) of the current setup
+        self._fit_started = False  # this fit's on_fit_start ran (a strategy may restore callbacks after it)
+        self._attached: tuple[weakref.ref[Any], weakref.ref[Any]] | None = None  # the setup's trainer and module
 
     def __getstate__(self) -> dict[str, Any]:
-        return compat.without_attached(self.__dict__)
+        state = compat.without_attached(self.__dict__)
+        state.pop("_attached", None)  # weak references do not pickle (ddp_spawn); setup makes them again
+        return state
 
-    def _start_setup(self, trainer: Any, pl_module: Any, skipped: str) -> bool:
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._attached = None
+
+    def _start_setup(self, trainer: Any, pl_module: Any, skipped: str, stage: str = "fit") -> bool:
         """The start of ``setup``: this rank (printing is rank zero's) and whether ``fast_dev_run`` turns the
         callback off for the run (then True, and one warning says that every ``skipped`` is skipped). Else
         this rank gets its own copy of weights ``ddp_spawn`` left in shared memory: a probe or a range test
-        restores the weights from a snapshot, which must not see another rank's steps."""
+        restores the weights from a snapshot, which must not see another rank's steps.
+
+        ``stage`` is Lightning's entry point: a checkpoint Lightning restores callbacks from for ``validate``,
+        ``test`` or ``predict`` leaves a fit's state alone (:meth:`_load_common_state`)."""
+        self._entry = stage
+        self._fit_started = False
+        self._attached = (weakref.ref(trainer), weakref.ref(pl_module))
         self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
         messages.set_rank(int(getattr(trainer, "global_rank", 0)))
         self._disabled = bool(trainer.fast_dev_run)
@@ -151,18 +170,71 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         self._log_metrics(trainer, self._report.event_metrics(event))
 
     def _common_state(self) -> dict[str, Any]:
-        """The checkpoint keys both callbacks write: the format version, the history, the triggers' baselines."""
+        """The checkpoint keys both callbacks write: the format version, the history, the triggers' baselines, and
+        the learning-rate attributes this callback wrote, as they are now."""
+        attached = self._live()
+        if attached is not None and self._lr_values:
+            self._lr_values.update(compat.lr_attribute_values(*attached, list(self._lr_values)))
         return {
             "version": 1,
             "history": [event.to_dict() for event in self.history],
             "triggers": trigger_states(self.triggers),
+            "lr_attributes": dict(self._lr_values),
         }
 
-    def _load_common_state(self, state_dict: dict[str, Any], event: Callable[[dict[str, Any]], Any]) -> None:
-        """Read back :meth:`_common_state`'s keys (``event`` builds one history entry) and mark the run resumed."""
+    def _load_common_state(self, state_dict: dict[str, Any], event: Callable[[dict[str, Any]], Any]) -> bool:
+        """Read back :meth:`_common_state`'s keys (``event`` builds one history entry) and mark the run resumed.
+
+        False, and nothing read, where Lightning restores callbacks for ``validate``/``test``/``predict``
+        (``ckpt_path``): the fit's history, sizes and baselines stay this callback's, and a later ``fit`` starts as a
+        fit does. Where the strategy restores callbacks after ``on_fit_start`` (``restore_checkpoint_after_setup``:
+        FSDP, ``ModelParallelStrategy``), the resumed state is applied right away (:meth:`_resume`), before
+        Lightning builds the train loader: a subclass calls :meth:`_loaded` once it has read its own keys."""
+        if self._entry not in (None, "fit"):
+            return False
         self.history = [event(e) for e in state_dict.get("history", [])]
         load_trigger_states(self.triggers, state_dict.get("triggers", []))
+        self._lr_values = {str(k): float(v) for k, v in state_dict.get("lr_attributes", {}).items()}
         self._restored = True
+        return True
+
+    def _loaded(self) -> None:
+        """The end of ``load_state_dict``: where this fit's ``on_fit_start`` already ran, go on from the checkpoint."""
+        attached = self._live()
+        if self._fit_started and attached is not None and not self._disabled:
+            self._resume(*attached)
+
+    def _fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """``on_fit_start``'s common part: a fit resumed from a checkpoint goes on from it (:meth:`_resume`), else
+        the fit's first epoch start is its fit start."""
+        self._fit_started = True
+        if self._restored:
+            self._resume(trainer, pl_module)
+        else:
+            self._fit_starting = True
+
+    def _resume(self, trainer: Any, pl_module: Any) -> None:
+        """Go on from the checkpoint just read: its learning-rate attributes written back (a subclass adds its own
+        state), and no fit-start trigger: the fit started before the checkpoint."""
+        compat.write_lr_attributes(trainer, pl_module, self._lr_values)
+        self._fit_starting = False
+        self._restored = False
+
+    def _wrote_lr(self, trainer: Any, pl_module: Any, names: Sequence[str]) -> None:
+        """The model's ``names`` (``lr``, ``learning_rate``) were just written: a checkpoint keeps their values."""
+        self._lr_values.update(compat.lr_attribute_values(trainer, pl_module, names))
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """The entry point ended: a checkpoint loaded by hand afterwards is a fit's (:meth:`_load_common_state`)."""
+        self._entry = None
+        self._fit_started = False
+
+    def _live(self) -> tuple[Any, Any] | None:
+        """The trainer and module of the current setup, while both exist."""
+        if self._attached is None:
+            return None
+        trainer, pl_module = self._attached[0](), self._attached[1]()
+        return None if trainer is None or pl_module is None else (trainer, pl_module)
 
     def _say(self, message: str, warn: bool = False) -> None:
         """A warning (always, once) or, when ``verbose``, a progress line; rank zero only (``retune.messages``)."""

@@ -146,7 +146,7 @@ class ScheduledBatchSizeFinder(RetuneCallback):
     # -- Lightning hooks -----------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._start_setup(trainer, pl_module, "batch-size search"):
+        if self._start_setup(trainer, pl_module, "batch-size search", stage):
             return
         compat.check_strategy(trainer)
         if self._recovery is not None:
@@ -172,18 +172,22 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         no_slack = self.schedule.search.margin == 0 or self.schedule.search.mode == "power"  # power applies none
         if no_slack and stats_for(pl_module.device) is not None and not expandable_segments():
             self._say(EXPANDABLE_ADVICE, warn=True)  # a caching allocator, no slack for its fragmentation
-        if self._restored and self.batch_sizes:
-            for stage, size in self.batch_sizes.items():
-                if stage in ("train", "val"):
-                    compat.set_batch_attr(trainer, pl_module, self._attrs.name(trainer, pl_module, stage), size)
-            if self._policies.accumulate is not None:
-                compat.set_accumulation(trainer, self._policies.accumulate)
-            if self._buckets is not None and self._buckets.hook.installed:
-                self._buckets.restore(trainer, self._say)  # the loader Lightning builds next is bucketed
-            self._fit_starting = False
-        else:
+        self._fit_start(trainer, pl_module)
+
+    def _resume(self, trainer: Any, pl_module: Any) -> None:
+        """The sizes, accumulation and buckets of the checkpoint, before Lightning builds the train loader; a
+        checkpoint from before the first search leaves the fit-start search to come."""
+        super()._resume(trainer, pl_module)
+        if not self.batch_sizes:
             self._fit_starting = True
-        self._restored = False
+            return
+        for stage, size in self.batch_sizes.items():
+            if stage in ("train", "val"):
+                compat.set_batch_attr(trainer, pl_module, self._attrs.name(trainer, pl_module, stage), size)
+        if self._policies.accumulate is not None:
+            compat.set_accumulation(trainer, self._policies.accumulate)
+        if self._buckets is not None and self._buckets.hook.installed:
+            self._buckets.restore(trainer, self._say)  # the loader Lightning builds next is bucketed
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._disabled:
@@ -267,7 +271,8 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._load_common_state(state_dict, RetuneEvent.from_dict)
+        if not self._load_common_state(state_dict, RetuneEvent.from_dict):
+            return
         self._stages = {stage: StageState.from_dict(s) for stage, s in state_dict.get("stages", {}).items()}
         self._policies = Policies(state_dict.get("reference_effective"), state_dict.get("accumulate"))
         if self._recovery is not None:
@@ -275,6 +280,7 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         saved_buckets = state_dict.get("buckets")
         if self._buckets is not None and saved_buckets:
             self._buckets.state = BucketState.from_dict(saved_buckets)
+        self._loaded()
 
     def _unguard_eval(self) -> None:
         if self._recovery is not None:
@@ -341,6 +347,8 @@ class ScheduledBatchSizeFinder(RetuneCallback):
                 clock=self.clock,
                 batching=BucketBatching(self._buckets) if self._buckets is not None and stage == "train" else None,
             )
+        if self._policies.lr_attributes:  # lr_scaling moved the model's lr/learning_rate: checkpoints keep them
+            self._wrote_lr(trainer, pl_module, self._policies.lr_attributes)
         self._record(trainer, event, where)
 
     # -- helpers -------------------------------------------------------------------------------

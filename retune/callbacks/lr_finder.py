@@ -110,7 +110,7 @@ class ScheduledLRFinder(RetuneCallback):
     # -- Lightning hooks -----------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._start_setup(trainer, pl_module, "learning-rate range test") or stage != "fit":
+        if self._start_setup(trainer, pl_module, "learning-rate range test", stage) or stage != "fit":
             return
         if int(getattr(trainer, "world_size", 1)) > 1 and not compat.is_ddp(trainer):
             raise RetuneError(
@@ -133,8 +133,7 @@ class ScheduledLRFinder(RetuneCallback):
                 f"ScheduledLRFinder tunes the param groups of one optimizer; this run has {count}. Use one optimizer "
                 "with a param group per part of the model (discriminative rates), or tune the rates by hand"
             )
-        self._fit_starting = not self._restored
-        self._restored = False
+        self._fit_start(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         if self._disabled:
@@ -157,9 +156,11 @@ class ScheduledLRFinder(RetuneCallback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._load_common_state(state_dict, LRFindEvent.from_dict)
+        if not self._load_common_state(state_dict, LRFindEvent.from_dict):
+            return
         seen = state_dict.get("groups_seen")
         self._groups_seen = None if seen is None else [GroupInfo(frozenset(p), frozenset(t)) for p, t in seen]
+        self._loaded()
 
     # -- the range test ------------------------------------------------------------------------
 
@@ -221,6 +222,7 @@ class ScheduledLRFinder(RetuneCallback):
             # as Lightning's LearningRateFinder: the model's `lr`/`learning_rate`, where it named a tested rate
             others = [nominal_lr(optimizer, i, holders) for i in range(len(optimizer.param_groups)) if i not in chosen]
             written = compat.set_lr_attributes(trainer, pl_module, [float(r) for r in before], found.lr, others)
+            self._wrote_lr(trainer, pl_module, written)
             if written:
                 names = " and ".join(f"`{name}`" for name in written)
                 note = "; ".join(filter(None, [note, f"{names} set too"]))

@@ -30,9 +30,11 @@ from retune.compat.batch_attr import (
     batch_attr_places,
     get_batch_attr,
     has_batch_attr,
+    lr_attribute_values,
     scale_lr_attributes,
     set_batch_attr,
     set_lr_attributes,
+    write_lr_attributes,
 )
 from retune.compat.combined_loaders import length_of, train_loaders
 from retune.compat.data import (
@@ -126,6 +128,7 @@ __all__ = [
     "log_dir",
     "loop_counters",
     "loop_progress",
+    "lr_attribute_values",
     "lr_holders",
     "cycle_schedulers",
     "lr_schedulers",
@@ -146,6 +149,7 @@ __all__ = [
     "set_batch_attr",
     "scale_lr_attributes",
     "set_lr_attributes",
+    "write_lr_attributes",
     "shares_out_samplers",
     "sharded_across",
     "step_marks",

@@ -44,9 +44,6 @@ def batch_attr_places(trainer: Any, pl_module: Any, name: str) -> list[tuple[str
     return places
 
 
-__all__ = ["batch_attr_places", "get_batch_attr", "has_batch_attr", "set_batch_attr"]
-
-
 LR_ATTRIBUTES = ("lr", "learning_rate")
 """The names Lightning's ``LearningRateFinder`` writes its suggestion to (on the model, its ``hparams`` or the
 datamodule), which ``configure_optimizers`` or a warm-up in ``optimizer_step`` read the rate from."""
@@ -89,3 +86,41 @@ def _rewrite_lr_attributes(
             parsing.lightning_setattr(pl_module, name, rewrite(float(value)))
             written.append(name)
     return written
+
+
+def lr_attribute_values(trainer: Any, pl_module: Any, names: Any) -> dict[str, float]:
+    """The value of each of ``names`` (:data:`LR_ATTRIBUTES` retune wrote) where Lightning's lookup finds a number:
+    what a checkpoint keeps, since Lightning rebuilds the model's ``hparams`` from its constructor on resume."""
+    parsing = _parsing(trainer)
+    values = {}
+    for name in names:
+        if parsing.lightning_hasattr(pl_module, name):
+            value = parsing.lightning_getattr(pl_module, name)
+            if not isinstance(value, bool) and isinstance(value, (int, float)):
+                values[name] = float(value)
+    return values
+
+
+def write_lr_attributes(trainer: Any, pl_module: Any, values: dict[str, float]) -> list[str]:
+    """Write back what :func:`lr_attribute_values` read (a resumed fit), everywhere Lightning's lookup finds each
+    name; a name the model no longer has is skipped. Returns the names written."""
+    parsing = _parsing(trainer)
+    written = []
+    for name, value in values.items():
+        if parsing.lightning_hasattr(pl_module, name):
+            parsing.lightning_setattr(pl_module, name, value)
+            written.append(name)
+    return written
+
+
+__all__ = [
+    "LR_ATTRIBUTES",
+    "batch_attr_places",
+    "get_batch_attr",
+    "has_batch_attr",
+    "lr_attribute_values",
+    "scale_lr_attributes",
+    "set_batch_attr",
+    "set_lr_attributes",
+    "write_lr_attributes",
+]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from retune import compat
@@ -80,6 +80,9 @@ class Policies:
 
     reference_effective: int | None = None
     accumulate: int | None = None
+    lr_attributes: list[str] = field(default_factory=list)
+    """The model's ``lr``/``learning_rate`` that ``lr_scaling`` moved with the rates (the callback keeps their values
+    in checkpoints: a resumed fit's ``hparams`` come from the constructor)."""
 
 
 def mode_and_limit(
@@ -386,7 +389,8 @@ def apply_policies(
     rates = [float(g[k]) for o in trainer.optimizers for g in o.param_groups for k in ("lr", "initial_lr") if k in g]
     scale_learning_rates(trainer.optimizers, compat.lr_holders(trainer), factor)
     # a model's `lr`/`learning_rate` that names a group's rate moves with it (a warm-up in optimizer_step reads it)
-    compat.scale_lr_attributes(trainer, trainer.lightning_module, rates, factor)
+    scaled = compat.scale_lr_attributes(trainer, trainer.lightning_module, rates, factor)
+    policies.lr_attributes = sorted({*policies.lr_attributes, *scaled})
     return accumulate, factor
 
 

@@ -567,6 +567,72 @@ def test_the_models_learning_rate_attribute_takes_the_suggestion(tmp_path: Path)
     assert model.rates[-1] == pytest.approx(event.lr_after)  # warmed up to the suggestion
 
 
+def test_a_resumed_fit_keeps_the_rate_the_range_test_wrote_to_the_model(tmp_path: Path) -> None:
+    """Lightning rebuilds ``hparams`` from the constructor when a fit resumes: the ``learning_rate`` the range test
+    wrote comes back from the checkpoint, so the warm-up goes on at the suggestion (it trained at 0.05 again)."""
+    schedule = {"triggers": [{"kind": "fit_start"}], "lr_find": LR_FIND}
+    seed(7)
+    model = WarmsUpFromHparams(batch_size=64, n=512, head_only_optimizer=False, scheduler=None)
+    finder = ScheduledLRFinder(schedule, verbose=False, write_report=False)
+    trainer = _trainer(tmp_path / "a", [finder], epochs=1)
+    trainer.fit(model)
+    ckpt = tmp_path / "epoch0.ckpt"
+    trainer.save_checkpoint(ckpt)
+    (event,) = finder.history
+    assert event.lr_after is not None and event.lr_after != 0.05
+
+    seed(7)
+    resumed_model = WarmsUpFromHparams(batch_size=64, n=512, head_only_optimizer=False, scheduler=None)
+    resumed = ScheduledLRFinder(schedule, verbose=False, write_report=False)
+    _trainer(tmp_path / "b", [resumed], epochs=2).fit(resumed_model, ckpt_path=ckpt)
+    assert resumed.history == finder.history  # no second test
+    assert resumed_model.hparams.learning_rate == event.lr_after
+    assert len(resumed_model.rates) == 8 and resumed_model.rates == [pytest.approx(event.lr_after)] * 8
+
+
+class ShrinksAtEpoch(pl.Callback):
+    """From epoch ``at`` on, the model's memory oracle fits fewer samples (before retune's search: it runs last)."""
+
+    def __init__(self, at: int, capacity: int) -> None:
+        self.at, self.capacity = at, capacity
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch >= self.at:
+            pl_module.oracle = MemoryOracle(capacity=self.capacity)
+
+
+def test_a_resumed_fit_keeps_the_rate_lr_scaling_wrote_to_the_model(tmp_path: Path) -> None:
+    """``apply.lr_scaling`` moves the model's ``learning_rate`` with the rates at a smaller size; a fit resumed after
+    it trains at the scaled rate (the constructor's 0.05 came back, 2-5x the rate for the size)."""
+    schedule = {
+        "triggers": [{"kind": "fit_start"}, {"kind": "epoch", "at": [1]}],
+        "search": {"mode": "binsearch", "margin": 0.0, "init_val": 64},
+        "apply": {"lr_scaling": "linear"},
+    }
+
+    def fit(epochs: int, finder: ScheduledBatchSizeFinder, root: Path, ckpt: Path | None = None) -> Any:
+        seed(7)
+        model = WarmsUpFromHparams(batch_size=8, n=512, oracle=MemoryOracle(capacity=1_500_000), scheduler=None)
+        trainer = _trainer(root, [ShrinksAtEpoch(1, 500_000), finder], epochs=epochs)
+        trainer.fit(model, ckpt_path=ckpt)
+        return model, trainer
+
+    first = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+    model, trainer = fit(2, first, tmp_path / "a")
+    start, shrunk = first.history
+    assert shrunk.batch_size_after < start.batch_size_after
+    scaled = 0.05 * shrunk.batch_size_after / start.batch_size_after
+    assert model.hparams.learning_rate == pytest.approx(scaled)
+    ckpt = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(ckpt)
+
+    resumed = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+    resumed_model, _ = fit(3, resumed, tmp_path / "b", ckpt)
+    assert resumed.history == first.history
+    assert resumed_model.hparams.learning_rate == pytest.approx(scaled)
+    assert resumed_model.rates and resumed_model.rates == [pytest.approx(scaled)] * len(resumed_model.rates)
+
+
 def test_an_attribute_naming_another_groups_rate_is_left_alone(tmp_path: Path) -> None:
     """At the unfreeze only the backbone's new group is tested: the model's ``lr`` is the head's rate."""
     schedule = {"triggers": [{"kind": "trainable_params_changed"}], "lr_find": LR_FIND}
