@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from retune import compat, messages
 from retune.callbacks.ordering import move_retune_last
+from retune.errors import RetuneError
 from retune.schedule.loading import ScheduleSource, load_schedule
 from retune.schedule.triggers import Trigger, build_triggers
 
@@ -125,6 +126,17 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         elif compat.unshare_spawned_weights(trainer, pl_module):
             log.debug("ddp_spawn left this rank's CPU weights in shared memory; gave it its own copy")
         return self._disabled
+
+    def _check_trigger_sources(self, trainer: Any) -> None:
+        """At a fit's setup: a trigger whose source the run lacks would never fire. An ``fts_phase`` trigger without
+        finetuning-scheduler's callback waits for phases that never come, and the unfreeze another callback makes
+        then runs out of memory at the size tuned before it."""
+        if any(getattr(t, "kind", None) == "fts_phase" for t in self.triggers) and compat.fts_phase(trainer) is None:
+            raise RetuneError(
+                "the schedule's fts_phase trigger fires when finetuning-scheduler's FinetuningScheduler changes phase, "
+                "and no FinetuningScheduler is among the trainer's callbacks: add one, or use the "
+                "trainable_params_changed trigger for another unfreezing callback (BackboneFinetuning, your own)"
+            )
 
     def _move_last(self, trainer: Any) -> None:
         """Run after every other callback in each hook, whatever order the user listed them in (the batch-size

@@ -22,6 +22,7 @@ from retune.callbacks.data_follow import Change, keep_sizes, train_data_change
 from retune.callbacks.oom_recovery import OomRecovery, split_state
 from retune.callbacks.stage_attrs import StageAttrs
 from retune.callbacks.trainer_view import training_view
+from retune.errors import RetuneError
 from retune.events import Direction, RetuneEvent, Trial
 from retune.prediction.reuse import forget as forget_traces
 from retune.probing.probe_batches import ProbeBatches
@@ -157,8 +158,17 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             if searched in self.schedule.stages:  # the loop's draws for its loader, kept for the rebuilt one's
                 self._eval_rng_undo = compat.watch_eval_iterator(trainer, searched)
             return
+        self._check_trigger_sources(trainer)
         if self._recovery is not None:
             self._recovery.check_fit(pl_module)
+            steps = compat.truncated_bptt_steps(trainer, pl_module)
+            if steps:
+                raise RetuneError(
+                    f"the `oom` trigger cannot recover a step of truncated backpropagation through time "
+                    f"(truncated_bptt_steps={steps}): each split starts from the hidden state the split before left "
+                    "for the whole batch, which micro-batches of it cannot share; remove `oom` from the schedule's "
+                    "triggers"
+                )
         check_accumulation(self.schedule.apply.accumulate, compat.accumulation_is_scheduled(trainer))
         if self._buckets is not None and "train" in self.schedule.stages:
             self._buckets.install(trainer)
@@ -168,6 +178,13 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         if self._disabled:
             return
         forget_traces(pl_module)  # a fit's first predicted search traces: nothing carried from another fit
+        count = len(trainer.optimizers)
+        if "train" in self.schedule.stages and pl_module.automatic_optimization and count > 1:
+            raise RetuneError(  # pytorch-lightning 1.9 steps each in turn (optimizer_idx); 2.x refuses it itself
+                f"ScheduledBatchSizeFinder probes a training step of one optimizer under automatic optimization; this "
+                f"run has {count}, which the first train search could not probe. Use one optimizer with a param "
+                "group per part of the model, or manual optimization"
+            )
         self._move_last(trainer)  # again: another callback's setup may have rebuilt the list
         no_slack = self.schedule.search.margin == 0 or self.schedule.search.mode == "power"  # power applies none
         if no_slack and stats_for(pl_module.device) is not None and not expandable_segments():
@@ -327,6 +344,7 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         oom = None if self._recovery is None else self._recovery.trigger
         known = oom.consume() if oom is not None and stage == "train" and "oom" in label else None
         self._trial_no = 0
+        self.probe_batches.attribute = self._attrs.describe(trainer, pl_module, stage)
         with self.probe_batches.cache.checking_once():  # a dataset is fingerprinted once, not at every trial
             event, where = search_stage(
                 trainer,
@@ -349,7 +367,17 @@ class ScheduledBatchSizeFinder(RetuneCallback):
             )
         if self._policies.lr_attributes:  # lr_scaling moved the model's lr/learning_rate: checkpoints keep them
             self._wrote_lr(trainer, pl_module, self._policies.lr_attributes)
+        if stage == "train" and event.batch_size_after != event.batch_size_before:
+            self._follow_in_validation(trainer, pl_module, name)
         self._record(trainer, event, where)
+
+    def _follow_in_validation(self, trainer: Any, pl_module: Any, name: str) -> None:
+        """Validation inside fit whose loader reads the train attribute (no ``val_batch_size`` of its own) is rebuilt
+        at the size found, as Lightning's ``BatchSizeFinder`` rebuilds it: the loader built before the search (the
+        sanity check's, at the starting size) validated at that size for the whole fit (128 where training ran 40;
+        a large placeholder then runs out of memory in validation)."""
+        if compat.trainer_fn(trainer) == "fit" and self._attrs.name(trainer, pl_module, "val") == name:
+            compat.reload_dataloader(trainer, "val")
 
     # -- helpers -------------------------------------------------------------------------------
 

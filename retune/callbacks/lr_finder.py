@@ -118,6 +118,7 @@ class ScheduledLRFinder(RetuneCallback):
                 f"{type(trainer.strategy).__name__} shards the model, which range-test steps on the unwrapped module "
                 "cannot run"
             )
+        self._check_trigger_sources(trainer)
         self._move_last(trainer)
         if not self._defaults_said and "lr_find" not in self.schedule.model_fields_set:
             self._defaults_said = True

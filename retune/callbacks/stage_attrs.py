@@ -35,6 +35,18 @@ class StageAttrs:
         own = getattr(self.schedule.stage_batch_arg_names, stage)
         return own if compat.has_batch_attr(trainer, pl_module, own) else self.schedule.batch_arg_name
 
+    def describe(self, trainer: Any, pl_module: Any, stage: str) -> str:
+        """The attribute a search of ``stage`` writes, in words, for a warning about a loader that ignores it:
+        ``batch_size`` where a stage's own attribute also exists would be the one a hook reads by mistake."""
+        name = self.name(trainer, pl_module, stage)
+        shared = self.schedule.batch_arg_name
+        if name == shared or not compat.has_batch_attr(trainer, pl_module, shared):
+            return f"`{name}`, which retune sets"
+        return (
+            f"`{name}`, which retune sets (the stage's own attribute, used where it exists; `{shared}` exists too: "
+            f"`stage_batch_arg_names: {{{stage}: {shared}}}` in the schedule makes retune set that one)"
+        )
+
     def check(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """At setup: the stage's data can be probed and its attribute exists (else a clear error)."""
         compat.check_source(trainer, stage)

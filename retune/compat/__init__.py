@@ -64,6 +64,7 @@ from retune.compat.distributed import (
     unshare_spawned_weights,
 )
 from retune.compat.epoch_length import refresh_train_batches, sampler_epoch
+from retune.compat.hooks import truncated_bptt_steps
 from retune.compat.logs import (
     eval_logging,
     journal_logged_metrics,
@@ -158,6 +159,7 @@ __all__ = [
     "trainer_fn",
     "training_step",
     "transfer_batch",
+    "truncated_bptt_steps",
     "unshare_spawned_weights",
     "without_attached",
     "watch_eval_iterator",

@@ -64,6 +64,12 @@ def step_args(
     return tuple(args)
 
 
+def truncated_bptt_steps(trainer: Any, pl_module: Any) -> int:
+    """1.9's ``truncated_bptt_steps`` (0: off; 2.x has none): the loop splits each batch in time and carries the
+    hidden state from split to split."""
+    return _tbptt_steps(trainer, pl_module)
+
+
 def _tbptt_steps(trainer: Any, pl_module: Any) -> int:
     """1.9's truncated backpropagation through time: the loop runs ``training_step(split, batch_idx, hiddens)``
     on each ``tbptt_split_batch`` split in turn, so a probe step is the first split, as the loop's first step."""
@@ -107,4 +113,4 @@ def keep_signature(replacement: Callable[..., Any], step: Callable[..., Any]) ->
     return wrapped
 
 
-__all__ = ["STEP_HOOKS", "call_step", "check_probeable", "keep_signature", "step_args"]
+__all__ = ["STEP_HOOKS", "call_step", "check_probeable", "keep_signature", "step_args", "truncated_bptt_steps"]

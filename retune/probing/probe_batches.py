@@ -280,15 +280,16 @@ class HeldSizes:
         return f"probes at {span} ran batches of {held} samples" + (f" ({why})" if why else "")
 
 
-def batches_source(loader: Any, size: int) -> str:
-    """What decides how many samples the batches of ``loader`` (built for ``size``) hold, for the warning."""
+def batches_source(loader: Any, size: int, attribute: str = "the batch-size attribute") -> str:
+    """What decides how many samples the batches of ``loader`` (built for ``size``) hold, for the warning;
+    ``attribute``: what the search wrote ``size`` to, in words."""
     if not isinstance(loader, DataLoader):
         return f"it is a {type(loader).__name__}"
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
         return f"its batch_sampler ({type(batch_sampler).__name__}) decides which samples go together"
     if loader.batch_size is not None and loader.batch_size != size:
-        return f"the loader was built with batch_size={loader.batch_size}: does the hook read the batch-size attribute?"
+        return f"the loader was built with batch_size={loader.batch_size}: does the hook read {attribute}?"
     sampler = getattr(batch_sampler, "sampler", None) or loader.sampler
     return f"its sampler ({type(sampler).__name__}) draws fewer samples per epoch"
 
@@ -354,6 +355,9 @@ class ProbeBatches:
         """``where`` (``train``, ``train[0]``, ...) -> what its last ``largest`` probes ran on."""
         self.held = HeldSizes()
         """How many samples the current search's probe batches held, by the size probed (:meth:`arrange`)."""
+        self.attribute = "the batch-size attribute"
+        """The attribute the current search writes, in words (the callback sets it before each search): a loader
+        that ignores it is asked about it by name."""
 
     @classmethod
     def from_schedule(
@@ -406,7 +410,7 @@ class ProbeBatches:
         arranged = self._one(loader, stage, steps)
         if size is None:
             return arranged
-        return counted(arranged, self.held.record(size, batches_source(loader, size)))
+        return counted(arranged, self.held.record(size, batches_source(loader, size, self.attribute)))
 
     def _one(self, loader: Any, where: str, steps: int) -> Any:
         reason = why_not_reorderable(loader)
