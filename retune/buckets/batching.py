@@ -46,7 +46,9 @@ class BucketBatching:
             return compat.request_dataloader(trainer, stage)
 
     def begin(self, loader: Any, say: Say, limits: Limits) -> StageSearch:
-        grouped = self.buckets.prepare(loader, say)
+        grouped, differ = self.buckets.agreed(self.buckets.prepare(loader, say))
+        if differ is not None:
+            self.buckets.probe_batches.warn_once("train-buckets", differ)
         if grouped is None:
             return FixedSearch(limits)
         return BucketSearch(self.buckets, grouped, limits)

@@ -334,12 +334,17 @@ class TrainBuckets:
         bucket = self.bucket_now(trainer)
         if bucket is None:
             return None
+        self.note_failure(bucket, failed, fitting)
+        return bucket
+
+    def note_failure(self, bucket: int, failed: int, fitting: int) -> None:
+        """A real step of ``bucket`` ran out of memory at ``failed`` and trained in pieces of ``fitting`` (on this
+        rank, or on another that told this one in the step's agreement under DDP)."""
         known = self.failures.get(bucket)
         if known is None:
             self.failures[bucket] = (fitting, failed)
         else:
             self.failures[bucket] = (min(known[0], fitting), min(known[1], failed))
-        return bucket
 
     def merge_failures(self, gathered: Sequence[Mapping[int, tuple[int, int]]]) -> None:
         """Every rank's failures (DDP): the batches of a step come from the same bucket on every rank."""
@@ -413,6 +418,36 @@ class TrainBuckets:
         if self.state.by_steps and self.state.bounds:
             return assign(scan.order, scan.sizes, self.state.bounds)  # the same samples: the bounds in force
         return plan_buckets(scan.order, scan.sizes, self.count)
+
+    def agreed(self, grouped: Buckets | None) -> tuple[Buckets | None, str | None]:
+        """``grouped`` where every rank grouped the same samples, else None on every rank and why (DDP).
+
+        Each rank groups the samples its own loader draws: with ``use_distributed_sampler=False`` and a dataset per
+        rank the buckets differ, and with them each bucket's cap (its share of the members, :func:`_uppers`), the
+        plan, and so the sizes the ranks probe and the collectives they meet in. One all-gather per bucketed search
+        of the bounds, the members per bucket and the sampler's draws per epoch; where they differ, or a rank could
+        not group its samples, every rank searches one size (``batching: fixed``) under the search's agreed cap."""
+        trainer = self._trainer
+        if trainer is None or not compat.is_distributed(trainer):
+            return grouped, None
+        local = (
+            None
+            if grouped is None
+            else (list(grouped.bounds), [len(m) for m in grouped.members], self.epoch_draws, self._drop_last)
+        )
+        gathered = compat.all_gather_object(trainer, local)
+        if all(found == local for found in gathered):
+            return grouped, None
+        seen = "; ".join(
+            f"rank {rank}: "
+            + ("cannot group its samples" if found is None else f"bounds {found[0]}, {sum(found[1])} samples")
+            for rank, found in enumerate(gathered)
+        )
+        return None, (
+            "search.batching: buckets needs every rank to group the same samples (a step's batches come from one "
+            f"bucket on every rank), and the ranks' train dataloaders differ ({seen}; a dataset of each rank's own "
+            "with use_distributed_sampler=False?). Training with one batch size for every batch (batching: fixed)"
+        )
 
     @property
     def _drop_last(self) -> bool:

@@ -73,6 +73,16 @@ class OomRecovery:
         """``(max_size, pieces)`` a checkpoint carried, handed to the next train recovery (then reset)."""
         self.resumed_splits: dict[Any, tuple[int | None, int]] = {}
         """With buckets, the split each bucket keeps, as a checkpoint carried it."""
+        self.peer_split: tuple[int | None, int] = (None, 1)
+        """Under DDP, the tightest split another rank keeps this epoch (told in the step's agreement): a checkpoint
+        carries the tightest of every rank's, and a resumed run applies it on every rank."""
+        self.peer_splits: dict[Any, tuple[int | None, int]] = {}
+        """The same by bucket (``batching: buckets``)."""
+        self._news: RecoveryNews | None = None
+        """Under DDP, what this rank tells the others in each step's agreement (:class:`RecoveryNews`)."""
+        self._pending: list[int] | None = None
+        """This rank's recovery in the step running now, not yet told to the other ranks."""
+        self._rank = 0
 
     @classmethod
     def for_triggers(
@@ -134,6 +144,8 @@ class OomRecovery:
         (recovery.max_size, recovery.pieces), self.resumed_split = self.resumed_split, (None, 1)
         recovery.splits, self.resumed_splits = self.resumed_splits, {}
         self.train = recovery
+        self.peer_split, self.peer_splits, self._pending, self._news = (None, 1), {}, None, None
+        self._rank = int(getattr(trainer, "global_rank", 0) or 0)
         run: Callable[[Any], Any] = recovery.run
         if compat.is_distributed(trainer):
             ddp = compat.ddp_wrapper(trainer)
@@ -141,12 +153,14 @@ class OomRecovery:
                 raise RetuneError(
                     f"the `oom` trigger under {type(trainer.strategy).__name__} needs a DDP-wrapped model"
                 )
+            self._news = RecoveryNews(self, trainer, pl_module)
             synced = SyncedSteps(
                 ddp,
                 recovery.run,
                 accumulating=lambda: compat.batch_is_accumulating(trainer),
                 params=lambda: list(pl_module.parameters()),
                 buffers=lambda: list(pl_module.buffers()),
+                news=self._news,
             )
             run = synced.run
             self._undo.append(synced.close)
@@ -183,6 +197,7 @@ class OomRecovery:
         until the next epoch start: the callback does not call this for the resumed epoch)."""
         if self.train is not None:
             self.train.new_epoch()
+        self.peer_split, self.peer_splits = (None, 1), {}
 
     def _bucket_now(self, trainer: Any) -> int | None:
         """The bucket of the batch being trained (None: not bucketed): the key of the split it keeps."""
@@ -224,6 +239,7 @@ class OomRecovery:
         while self._undo:
             self._undo.pop()()
         self.train = None
+        self._news = self._pending = None
 
     @staticmethod
     def note_unrecovered(exception: BaseException) -> None:
@@ -246,11 +262,33 @@ class OomRecovery:
             self.trigger.record(failed_size=samples, fitting_size=largest_piece)
             if self.buckets is not None:
                 bucket = self.buckets.record_failure(trainer, failed=samples, fitting=largest_piece)
+            if self._news is not None:  # told to the other ranks in this step's agreement (RecoveryNews)
+                code = FAILED_IN.index(done.failed_in) if done.failed_in in FAILED_IN else 0
+                self._pending = [1, samples, largest_piece, done.pieces, code, 0 if bucket is None else bucket + 1]
+        rank = f"rank {self._rank}: " if stage == "train" and self._news is not None else ""
+        self._record_recovery(
+            trainer, pl_module, stage, samples, done.pieces, largest_piece, done.failed_in, bucket, size, rank
+        )
+
+    def _record_recovery(
+        self,
+        trainer: Any,
+        pl_module: Any,
+        stage: str,
+        samples: int,
+        pieces: int,
+        largest_piece: int,
+        failed_in: str,
+        bucket: int | None,
+        size: int,
+        rank: str = "",
+    ) -> None:
         where = "" if bucket is None else f" (bucket {bucket}, its next search lowers only its size)"
         if bucket is not None and self.buckets is not None:
             # the attribute holds the longest samples' bucket's size only: the size in force is the failed bucket's
             sizes = self.buckets.state.sizes
             size = sizes[bucket] if 0 <= bucket < len(sizes) else samples
+        site = f" in {failed_in}" if failed_in else ""
         event = RetuneEvent(
             epoch=trainer.current_epoch,
             global_step=trainer.global_step,
@@ -259,16 +297,67 @@ class OomRecovery:
             batch_size_before=size,
             batch_size_after=size,
             direction="down",
-            micro_batches=done.pieces,
-            note=f"out of memory in {done.failed_in} on a batch of {samples}; trained it as {done.pieces} "
+            micro_batches=pieces,
+            note=f"{rank}out of memory{site} on a batch of {samples}; trained it as {pieces} "
             f"micro-batches of at most {largest_piece}{where}",
         )
         self._record(trainer, event, warn=True)
 
+    # -- DDP: every rank learns each rank's recovery at the step's agreement ----------------------------
+
+    def take_news(self) -> list[int]:
+        """This rank's recovery in the step that just ran (:class:`RecoveryNews` width; zeros: none), with the split
+        it keeps now, and forget it."""
+        pending, self._pending = self._pending, None
+        if pending is None or self.train is None:
+            return [0] * RecoveryNews.width
+        max_size, pieces = self.train.max_size, self.train.pieces  # the split of the batch that just trained
+        return [*pending, 0 if max_size is None else max_size + 1, max(1, pieces)]
+
+    def peer_recovered(self, trainer: Any, pl_module: Any, rows: list[list[int]]) -> None:
+        """Every rank's news of one step (rank order): another rank's recovery is this rank's to remember too. Its
+        failure goes into the ``oom`` trigger (and its bucket's failures), its split into what a checkpoint carries,
+        and an event into the history: rank 0's callback state, the one Lightning checkpoints, includes a failure on
+        any rank from the step it happened in, as the epoch-start exchange (:meth:`share_failures`) made it later."""
+        for rank, row in enumerate(rows):
+            if rank == self._rank or not row[0]:
+                continue
+            _, samples, fitting, pieces, code, bucket_code, kept_size, kept_pieces = row
+            bucket = None if bucket_code == 0 else bucket_code - 1
+            self.trigger.record(failed_size=samples, fitting_size=fitting)
+            if bucket is not None and self.buckets is not None:
+                self.buckets.note_failure(bucket, failed=samples, fitting=fitting)
+            kept = (None if kept_size == 0 else kept_size - 1, max(1, kept_pieces))
+            if self.buckets is None:
+                self.peer_split = tightest(self.peer_split, kept)
+            else:
+                self.peer_splits[bucket] = tightest(self.peer_splits.get(bucket, (None, 1)), kept)
+            name = self._attr(trainer, pl_module, "train")
+            size = (
+                compat.get_batch_attr(trainer, pl_module, name)
+                if compat.has_batch_attr(trainer, pl_module, name)
+                else 0
+            )
+            failed_in = FAILED_IN[code] if 0 <= code < len(FAILED_IN) else ""
+            self._record_recovery(
+                trainer,
+                pl_module,
+                "train",
+                samples,
+                pieces,
+                fitting,
+                failed_in,
+                bucket,
+                size or samples,
+                f"rank {rank}: ",
+            )
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return split_state(self.train)
+        """The split in force, the tightest of every rank's under DDP (no collective here: the ranks told each other
+        at the steps that split, so a checkpoint saved on one rank alone cannot hang)."""
+        return split_state(self.train, self.peer_split, self.peer_splits)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The split a checkpointed epoch kept after a recovered OOM: a run resumed mid-epoch need not fail again."""
@@ -280,14 +369,68 @@ class OomRecovery:
         }
 
 
-def split_state(train: TrainStepRecovery | None) -> dict[str, Any]:
-    """The checkpoint keys of the split the epoch keeps after a recovered OOM (the defaults without one)."""
+def split_state(
+    train: TrainStepRecovery | None,
+    peer: tuple[int | None, int] = (None, 1),
+    peers: dict[Any, tuple[int | None, int]] | None = None,
+) -> dict[str, Any]:
+    """The checkpoint keys of the split the epoch keeps after a recovered OOM (the defaults without one); under DDP
+    the tightest of this rank's and the others' (``peer``; ``peers`` by bucket), as the step agreements told them."""
+    if train is None:
+        return {"oom_max_size": None, "oom_pieces": 1, "oom_splits": []}
+    max_size, pieces = tightest((train.max_size, train.pieces), peer)
+    splits = dict(train.splits)
+    for key, split in (peers or {}).items():
+        splits[key] = tightest(splits.get(key, (None, 1)), split)
     return {
-        "oom_max_size": None if train is None else train.max_size,
-        "oom_pieces": 1 if train is None else train.pieces,
+        "oom_max_size": max_size,
+        "oom_pieces": pieces,
         # with buckets, the split each bucket keeps ([bucket or None, max_size, pieces])
-        "oom_splits": [] if train is None else [[key, size, pieces] for key, (size, pieces) in train.splits.items()],
+        "oom_splits": [[key, size, count] for key, (size, count) in splits.items()],
     }
+
+
+def tightest(a: tuple[int | None, int], b: tuple[int | None, int]) -> tuple[int | None, int]:
+    """The split that cuts a batch at least as small as both ``(max_size, pieces)`` splits do.
+
+    >>> tightest((None, 1), (25, 1)), tightest((30, 1), (25, 1)), tightest((None, 3), (None, 2))
+    ((25, 1), (25, 1), (None, 3))
+    """
+    sizes = [size for size in (a[0], b[0]) if size is not None]
+    return (min(sizes) if sizes else None), max(a[1], b[1])
+
+
+FAILED_IN = (
+    "",
+    "forward",
+    "backward",
+    "a micro-batch",
+    "on_before_backward",
+    "on_before_zero_grad",
+    "optimizer_zero_grad",
+)
+"""Where a recovered step ran out of memory (:class:`~retune.recovery.micro_batches.Recovered`'s ``failed_in``), by
+the code the step's agreement carries it as (0: somewhere else, not named)."""
+
+
+class RecoveryNews:
+    """What a rank tells the others in each training step's agreement under DDP (a
+    :class:`~retune.distributed.grad_sync.StepNews`): whether its step was recovered in micro-batches, the batch size
+    that ran out of memory and the micro-batches that trained it, where it failed, its bucket, and the split the rank
+    keeps now. Eight integers per rank in the status all-reduce the step makes anyway: no collective of its own."""
+
+    width = 8
+
+    def __init__(self, owner: OomRecovery, trainer: Any, pl_module: Any) -> None:
+        self.owner = owner
+        self.trainer = trainer
+        self.pl_module = pl_module
+
+    def local(self) -> list[int]:
+        return self.owner.take_news()
+
+    def agreed(self, rows: list[list[int]]) -> None:
+        self.owner.peer_recovered(self.trainer, self.pl_module, rows)
 
 
 def resolve_loss_items(
@@ -324,4 +467,4 @@ def resolve_loss_items(
         raise ScheduleError(name, [FieldProblem(f"triggers[{index}].loss_items", str(exc))]) from None
 
 
-__all__ = ["OomRecovery", "resolve_loss_items", "split_state"]
+__all__ = ["FAILED_IN", "OomRecovery", "RecoveryNews", "resolve_loss_items", "split_state", "tightest"]

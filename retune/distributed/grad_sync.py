@@ -16,6 +16,10 @@ optimizer step, after every rank has its complete local gradient — recovered o
 On the steps of an accumulation window that do not step the optimizer only the status is agreed
 (one single-element all-reduce), so a failure inside a window cannot strand the other ranks either.
 
+The status may carry a few integers per rank more (:class:`StepNews`, no extra collective): what a rank's
+recovery learned in this step (the batch size that ran out of memory, the split that trained it), so every
+rank — rank 0, whose callback state Lightning checkpoints, included — knows it from that step on.
+
 What it costs: the all-reduce no longer overlaps with backward as DDP's buckets do. See
 docs/guides/oom.md ("What it costs") for measured numbers.
 """
@@ -23,7 +27,7 @@ docs/guides/oom.md ("What it costs") for measured numbers.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,11 +37,61 @@ from retune.errors import RetuneError
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def agree_status(failed: bool, device: torch.device, group: Any = None) -> int:
-    """How many ranks failed (every rank gets the same answer); one single-element all-reduce."""
+class StepNews(Protocol):
+    """What each rank tells the others in a step's agreement: ``width`` non-negative integers (all zeros: nothing).
+
+    ``local()`` is this rank's, read after its step ran; ``agreed(rows)`` gets every rank's, in rank order, on
+    every rank, once the step's status is agreed and no rank failed."""
+
+    width: int
+
+    def local(self) -> Sequence[int]: ...
+
+    def agreed(self, rows: list[list[int]]) -> None: ...
+
+
+NEWS_RADIX = 1 << 20
+"""Each integer of the news travels as two float32 values below ``NEWS_RADIX`` (exact: one rank writes a slot, the
+others add zeros), so values up to 2**40 come through the float32 all-reduce unchanged."""
+
+
+def encode_news(values: Sequence[int], rank: int, world_size: int, width: int) -> list[float]:
+    """``values`` (``width`` non-negative ints) in ``rank``'s slot of every rank's slots, the others zeros.
+
+    >>> encode_news([3, (1 << 20) + 5], rank=1, world_size=2, width=2)
+    [0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 1.0, 5.0]
+    """
+    if len(values) != width or any(int(v) < 0 for v in values):
+        raise ValueError(f"step news must be {width} non-negative integers, got {list(values)!r}")
+    slots = [0.0] * (2 * width * world_size)
+    for i, value in enumerate(values):
+        high, low = divmod(int(value), NEWS_RADIX)
+        slots[2 * (rank * width + i)] = float(high)
+        slots[2 * (rank * width + i) + 1] = float(low)
+    return slots
+
+
+def decode_news(summed: torch.Tensor, world_size: int, width: int) -> list[list[int]]:
+    """Every rank's integers from the summed slots :func:`encode_news` filled, in rank order.
+
+    >>> decode_news(torch.tensor([0.0, 7.0, 0.0, 0.0, 0.0, 3.0, 1.0, 5.0]), world_size=2, width=2)
+    [[7, 0], [3, 1048581]]
+    """
+    flat = [round(float(v)) for v in summed.tolist()]
+    values = [flat[2 * i] * NEWS_RADIX + flat[2 * i + 1] for i in range(width * world_size)]
+    return [values[rank * width : (rank + 1) * width] for rank in range(world_size)]
+
+
+def agree_status(failed: bool, device: torch.device, group: Any = None, extra: torch.Tensor | None = None) -> int:
+    """How many ranks failed (every rank gets the same answer); one all-reduce of one element, plus ``extra``
+    (float32 values summed over the ranks with it, in place) where given."""
     status = torch.tensor([1.0 if failed else 0.0], device=device)
+    if extra is not None:
+        status = torch.cat([status, extra.to(device=device, dtype=torch.float32)])
     dist.all_reduce(status, group=group)
-    return int(status.item())
+    if extra is not None:
+        extra.copy_(status[1:].to(extra.device))
+    return int(status[0].item())
 
 
 def all_reduce_gradients(
@@ -46,29 +100,36 @@ def all_reduce_gradients(
     world_size: int,
     group: Any = None,
     bucket_bytes: int = BUCKET_BYTES,
+    extra: torch.Tensor | None = None,
 ) -> int:
     """Average the gradients of ``params`` over all ranks; return how many ranks failed.
 
     Every rank must pass the same parameters in the same order (a module's ``parameters()`` are).
     When any rank failed, no gradient is changed and the count is returned after the first bucket.
+    ``extra``: float32 values summed over the ranks in place, carried by the first bucket (no extra collective).
     """
     params = [p for p in params if p.requires_grad]
     device = params[0].device if params else torch.device("cpu")
-    flags = torch.zeros(1 + len(params), device=device, dtype=torch.float32)
+    carried = 0 if extra is None else extra.numel()
+    flags = torch.zeros(1 + len(params) + carried, device=device, dtype=torch.float32)
     flags[0] = 1.0 if failed else 0.0
     for i, p in enumerate(params):
         if p.grad is not None:
             flags[1 + i] = 1.0
+    if extra is not None:
+        flags[1 + len(params) :] = extra.reshape(-1).to(device=device, dtype=torch.float32)
     buckets = _buckets(params, bucket_bytes)
     first = buckets[0] if buckets else []
     flat = torch.cat([flags, *(_flat_grad(p) for p in first)]) if first else flags
     dist.all_reduce(flat, group=group)
+    if extra is not None:
+        extra.copy_(flat[1 + len(params) : 1 + len(params) + carried].reshape(extra.shape).to(extra.device))
     failures = int(flat[0].item())
     if failures:
         return failures
     has_grad = flat[1 : 1 + len(params)] > 0
     index = {id(p): i for i, p in enumerate(params)}
-    _write_back(first, flat[1 + len(params) :], has_grad, index, world_size)
+    _write_back(first, flat[1 + len(params) + carried :], has_grad, index, world_size)
     for bucket in buckets[1:]:
         data = torch.cat([_flat_grad(p) for p in bucket])
         dist.all_reduce(data, group=group)
@@ -139,7 +200,8 @@ class SyncedSteps:
     """Runs each training step's closure with DDP's reducer off, then synchronises as described above.
 
     ``run`` is the local step (a :class:`~retune.recovery.train_step.TrainStepRecovery`'s ``run``);
-    ``accumulating()`` says whether this batch ends without an optimizer step.
+    ``accumulating()`` says whether this batch ends without an optimizer step; ``news`` what each rank tells
+    the others in the same collective (:class:`StepNews`).
     """
 
     def __init__(
@@ -149,14 +211,17 @@ class SyncedSteps:
         accumulating: Callable[[], bool],
         params: Callable[[], Sequence[torch.nn.Parameter]],
         buffers: Callable[[], Sequence[torch.Tensor]],
+        news: StepNews | None = None,
     ) -> None:
         self.ddp = ddp
         self._run = run
         self.accumulating = accumulating
         self.params = params
         self.buffers = buffers
+        self.news = news
         self.group = getattr(ddp, "process_group", None)
         self.world_size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
         self.sync_buffers = bool(getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True)))
         self._saved = (
             getattr(ddp, "require_backward_grad_sync", True),
@@ -175,10 +240,16 @@ class SyncedSteps:
             error = exc
         params = self.params()
         device = params[0].device if params else torch.device("cpu")
+        news = self.news
+        extra = None
+        if news is not None:
+            # this rank's news even after its own error: every rank's payload has the same length
+            local = [0] * news.width if error is not None else list(news.local())
+            extra = torch.tensor(encode_news(local, self.rank, self.world_size, news.width), dtype=torch.float32)
         if self.accumulating():
-            failures = agree_status(error is not None, device, self.group)
+            failures = agree_status(error is not None, device, self.group, extra=extra)
         else:
-            failures = all_reduce_gradients(params, error is not None, self.world_size, self.group)
+            failures = all_reduce_gradients(params, error is not None, self.world_size, self.group, extra=extra)
             buffers = list(self.buffers())
             if not failures and self.sync_buffers and buffers:
                 broadcast_buffers(buffers, self.group)
@@ -189,6 +260,10 @@ class SyncedSteps:
                 f"{failures} other rank(s) failed in this training step (their own error is raised there); "
                 "stopping every rank together instead of leaving them waiting"
             )
+        if news is not None and extra is not None:
+            rows = decode_news(extra, self.world_size, news.width)
+            if any(any(row) for row in rows):
+                news.agreed(rows)
         return result
 
     def close(self) -> None:
@@ -196,4 +271,14 @@ class SyncedSteps:
         self.ddp.require_backward_grad_sync, self.ddp.require_forward_param_sync = self._saved
 
 
-__all__ = ["BUCKET_BYTES", "SyncedSteps", "agree_status", "all_reduce_gradients", "broadcast_buffers"]
+__all__ = [
+    "BUCKET_BYTES",
+    "NEWS_RADIX",
+    "StepNews",
+    "SyncedSteps",
+    "agree_status",
+    "all_reduce_gradients",
+    "broadcast_buffers",
+    "decode_news",
+    "encode_news",
+]

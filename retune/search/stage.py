@@ -131,6 +131,27 @@ def agreed_device_limit(trainer: Any, device: Any, budget: int | None) -> int | 
     return min(limits) if limits else None
 
 
+def agreed_limits(
+    trainer: Any, device: Any, budget: int | None, dataset_len: int | None
+) -> tuple[int | None, int | None]:
+    """``(device limit, dataset length)`` for one search, the same on every rank: :func:`agreed_device_limit`'s
+    limit, and the smallest rank's ``dataset_len`` (the samples one rank's epoch holds: the search's cap).
+
+    Each rank counts its own epoch (``use_distributed_sampler=False`` with a dataset per rank, a sampler that
+    draws a rank's own share): a cap read per rank gave the ranks different plans, so they probed different sizes
+    and met in collectives with mismatched payloads. No batch of the smallest rank's epoch holds more, so no
+    larger size can be verified on every rank. A rank whose length is unknown (an iterable dataset) puts no cap.
+    One all-gather under DDP, whether or not a budget is set (it replaces :func:`agreed_device_limit`'s); none on
+    one device."""
+    own_limit = None if budget is not None else device_limit(device)
+    if not compat.is_distributed(trainer):
+        return own_limit, dataset_len
+    gathered = compat.all_gather_object(trainer, (own_limit, dataset_len))
+    limits = [int(v) for v, _ in gathered if v is not None]
+    lengths = [int(n) for _, n in gathered if n is not None]
+    return (min(limits) if limits else None), (min(lengths) if lengths else None)
+
+
 def search_stage(
     trainer: Any,
     pl_module: Any,
@@ -166,16 +187,17 @@ def search_stage(
     started = time.perf_counter()
     device = pl_module.device
     budget = schedule.memory.budget_bytes(device_total_bytes(device))
-    available = agreed_device_limit(trainer, device, budget)  # one limit for the search, the same on every rank
-    mode, limit, note = mode_and_limit(schedule, device, budget, available)
     loader = batching.loader(trainer, stage)
+    # one limit and one cap for the search, the same on every rank (one all-gather)
+    available, dataset_len = agreed_limits(
+        trainer, device, budget, compat.dataset_length(loader, compat.sharded_across(trainer))
+    )
+    mode, limit, note = mode_and_limit(schedule, device, budget, available)
     if before_plan is not None:
         before_plan(loader)
     step_limit = budget if budget is not None else available
     search = batching.begin(loader, say, Limits(mode, limit, note, budget, device, step_limit))
-    plan, direction = _plan(
-        schedule, mode, compat.dataset_length(loader, compat.sharded_across(trainer)), state, cold, direction, known_oom
-    )
+    plan, direction = _plan(schedule, mode, dataset_len, state, cold, direction, known_oom)
     del loader
     epoch = trainer.current_epoch
     where = f"epoch {epoch}" if stage in ("train", "val") and compat.trainer_fn(trainer) == "fit" else label
@@ -398,6 +420,7 @@ __all__ = [
     "Policies",
     "StageState",
     "agreed_device_limit",
+    "agreed_limits",
     "apply_policies",
     "device_limit",
     "mode_and_limit",
