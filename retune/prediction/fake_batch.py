@@ -5,7 +5,9 @@ structure with every per-sample tensor's leading dimension set to ``size``: noth
 ever allocated, so a prediction at 4096 images costs what one at 4 does. The batch dimension is the
 one retune splits along when it recovers from an OOM (:func:`retune.recovery.split.batch_length`,
 the leading dimension the batch's tensors share); a scalar tensor is faked unchanged, and lists of
-per-sample Python values (file names, raw strings) are repeated to ``size``. A tensor of another
+per-sample Python values (file names, raw strings) are repeated to ``size``, as are lists of one same-shape tensor
+per sample (:func:`~retune.recovery.split.per_sample_tensors`: a collate that keeps images as a list), each a
+fake of its own. A tensor of another
 leading length (a class-weight vector in the batch) makes the batch dimension ambiguous: the trace
 cannot predict and says which field to move out of the batch, as the OOM recovery does. Containers
 are rebuilt as their own type (dicts and other mappings, Hugging Face ``BatchEncoding`` included,
@@ -27,7 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from retune.prediction.fake_state import fake_tensor
-from retune.recovery.split import SplitError, batch_length
+from retune.recovery.split import SplitError, batch_length, per_sample_tensors
 
 __all__ = ["fake_batch"]
 
@@ -44,10 +46,12 @@ def fake_batch(batch: Any, size: int, mode: FakeTensorMode, device: torch.device
     total = batch_length(batch)
     if total is None:
         raise SplitError(f"this {type(batch).__name__} batch holds no tensor with a batch dimension")
-    return _resize(batch, size, total, mode, device)
+    return _resize(batch, size, total, mode, device, top=True)
 
 
-def _resize(value: Any, size: int, total: int, mode: FakeTensorMode, device: torch.device | None) -> Any:
+def _resize(
+    value: Any, size: int, total: int, mode: FakeTensorMode, device: torch.device | None, top: bool = False
+) -> Any:
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 or value.shape[0] != total:
             return fake_tensor(mode, value)  # not per sample: as it is (a scalar keeps its value)
@@ -71,7 +75,13 @@ def _resize(value: Any, size: int, total: int, mode: FakeTensorMode, device: tor
         }
         return dataclasses.replace(value, **changes)
     if isinstance(value, (list, tuple)):
-        if _holds_batches(value):
+        if not top and per_sample_tensors(value, total):
+            with mode:  # one tensor per sample, each its own fake: a fake met twice counts its bytes once
+                parts = [
+                    torch.empty(item.shape, dtype=item.dtype, device=device or item.device)
+                    for item in itertools.islice(itertools.cycle(value), size)
+                ]
+        elif _holds_batches(value):
             parts = [_resize(item, size, total, mode, device) for item in value]
         elif len(value) == total:
             parts = list(itertools.islice(itertools.cycle(value), size))  # per-sample values, repeated

@@ -66,7 +66,7 @@ from typing import Any
 
 from retune.memory import CpuPeakTracker, batch_tensors
 from retune.prediction.trace import CannotPredict, Recording, StepFacts, StepTrace, TracedPhases, assemble
-from retune.recovery.split import batch_length
+from retune.recovery.split import SplitError, batch_length, per_sample_tensors
 
 __all__ = [
     "AMBIGUITY_TOLERANCE",
@@ -103,9 +103,12 @@ def tag_size(batch: Any, fixed: Iterable[int], lengths_change: bool = True, seen
     (True, 17)
 
     ``seen``: the model's activations' sizes that earlier recordings showed (:func:`activation_sizes`), taken as
-    its own.
+    its own. None too for a batch holding a list of one tensor per sample (images kept as a list): a replay scales
+    dimensions, and that list's count of tensors is what grows with the batch.
     """
     fixed, seen = set(fixed), set(seen)
+    if _per_sample_list(batch, batch_length(batch), "batch", top=True) is not None:
+        return None  # one tensor per sample: their count grows with the batch, which a replay cannot scale
     sample = {d for shape in _sample_dims(batch) for d in shape}
     own = model_sizes(fixed) | seen
     if lengths_change and any(d in own and d not in fixed for d in sample):
@@ -175,7 +178,7 @@ def target_shapes(batch: Any, size: int) -> tuple[tuple[int, ...], ...]:
     >>> target_shapes({"ids": torch.ones(2, 7), "scale": torch.tensor(0.5)}, 5)
     ((5, 7), ())
     """
-    total = batch_length(batch)
+    total = _scalable_length(batch)
     return tuple(
         (size, *(int(d) for d in t.shape[1:]))
         if t.dim() > 0 and t.shape[0] == total
@@ -384,5 +387,35 @@ def _same_prediction(one: StepTrace, other: StepTrace) -> bool:
 
 def _sample_dims(batch: Any) -> list[tuple[int, ...]]:
     """Each per-sample tensor's dimensions after the batch dimension (see :func:`target_shapes`)."""
-    total = batch_length(batch)
+    total = _scalable_length(batch)
     return [tuple(int(d) for d in t.shape[1:]) for t in batch_tensors(batch) if t.dim() > 0 and t.shape[0] == total]
+
+
+def _scalable_length(batch: Any) -> int | None:
+    """``batch``'s length (:func:`~retune.recovery.split.batch_length`), where a replay can scale it: a list of one
+    tensor per sample (:func:`~retune.recovery.split.per_sample_tensors`) raises :class:`SplitError`, as its
+    tensors' count, not a dimension, grows with the batch (a replay kept the traced size's images at every size;
+    :func:`tag_size` then records nothing and the search traces)."""
+    total = batch_length(batch)
+    path = _per_sample_list(batch, total, "batch", top=True)
+    if path is not None:
+        raise SplitError(f"{path} holds one tensor per sample: a replay scales dimensions, not a count of tensors")
+    return total
+
+
+def _per_sample_list(value: Any, total: int | None, path: str, top: bool = False) -> str | None:
+    """The path of the first list of per-sample tensors in ``value`` (None: it holds none)."""
+    items: list[tuple[str, Any]] = []
+    if isinstance(value, Mapping):
+        items = [(f"{path}[{key!r}]", item) for key, item in value.items()]
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [(f"{path}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif isinstance(value, (list, tuple)):
+        if not top and per_sample_tensors(value, total):
+            return path
+        items = [(f"{path}[{i}]", item) for i, item in enumerate(value)]
+    for at, item in items:
+        found = _per_sample_list(item, total, at)
+        if found is not None:
+            return found
+    return None

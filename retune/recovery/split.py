@@ -2,7 +2,8 @@
 
 Pure logic over the containers batches are made of, free of Lightning: tensors, tuples, lists,
 named tuples, dicts and other mappings (Hugging Face ``BatchEncoding`` included), dataclasses,
-and lists of per-sample Python values (strings, file names) whose length is the batch's. Values
+and lists of per-sample Python values (strings, file names) or of one same-shape tensor per sample
+(:func:`per_sample_tensors`: a collate that keeps images as a list) whose length is the batch's. Values
 without a batch dimension (a scalar tensor, an int, ``None``, a string) are given unchanged to
 every micro-batch. A batch type retune does not know is not guessed at: :func:`split_batch`
 raises :class:`SplitError` naming the type, and ``ScheduledBatchSizeFinder(split_batch=fn)``
@@ -81,7 +82,16 @@ def batch_length(batch: Any) -> int | None:
     """
     lengths: dict[int, str] = {}
     per_sample: dict[int, str] = {}
-    _collect_lengths(batch, lengths, per_sample, "batch", top=True)
+    stacks: dict[str, Sequence[torch.Tensor]] = {}
+    _collect_lengths(batch, lengths, per_sample, stacks, "batch", top=True)
+    # a list of same-shape tensors is read against the length the batch's other tensors agree on: one tensor per
+    # sample where it holds that many ({"images": [img] * B, "ids": (B, T)}), batches where they have that many rows
+    known = next(iter(lengths)) if len(lengths) == 1 else None
+    for path, stack in stacks.items():
+        if per_sample_tensors(stack, known):
+            per_sample.setdefault(len(stack), path)
+        else:
+            lengths.setdefault(int(stack[0].shape[0]), f"{path}[0]")
     if len(lengths) > 1:
         fields = ", ".join(f"{path} has {n}" for n, path in sorted(lengths.items(), key=lambda item: -item[0]))
         raise SplitError(
@@ -102,8 +112,16 @@ def batch_length(batch: Any) -> int | None:
 
 
 def _collect_lengths(
-    value: Any, lengths: dict[int, str], per_sample: dict[int, str], path: str, top: bool = False
+    value: Any,
+    lengths: dict[int, str],
+    per_sample: dict[int, str],
+    stacks: dict[str, Sequence[torch.Tensor]],
+    path: str,
+    top: bool = False,
 ) -> None:
+    """The leading lengths of ``value``'s tensors into ``lengths`` and of its per-sample lists into ``per_sample``
+    (each with the first path that has it); below the top, a list of same-shape tensors into ``stacks``, to be read
+    once the other tensors' length is known (:func:`per_sample_tensors`)."""
     if isinstance(value, torch.Tensor):
         if value.dim() > 0:
             lengths.setdefault(int(value.shape[0]), path)
@@ -112,17 +130,20 @@ def _collect_lengths(
         return
     if isinstance(value, Mapping):
         for key, item in value.items():
-            _collect_lengths(item, lengths, per_sample, f"{path}[{key!r}]")
+            _collect_lengths(item, lengths, per_sample, stacks, f"{path}[{key!r}]")
         return
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            _collect_lengths(getattr(value, f.name), lengths, per_sample, f"{path}.{f.name}")
+            _collect_lengths(getattr(value, f.name), lengths, per_sample, stacks, f"{path}.{f.name}")
         return
     if isinstance(value, (list, tuple)):
-        if _is_container_of_batches(value) and not (not top and _all_same_shape_tensors(value)):
+        if not top and _same_shape_tensors(value):
+            stacks.setdefault(path, value)
+        elif _is_container_of_batches(value):
             fields = getattr(value, "_fields", None)
             for i, item in enumerate(value):
-                _collect_lengths(item, lengths, per_sample, f"{path}.{fields[i]}" if fields else f"{path}[{i}]")
+                at = f"{path}.{fields[i]}" if fields else f"{path}[{i}]"
+                _collect_lengths(item, lengths, per_sample, stacks, at)
         elif value:
             per_sample.setdefault(len(value), path)
         return
@@ -160,13 +181,48 @@ def _holds_batches(value: Sequence[Any], size: int | None) -> bool:
     return bool(shaped) and all(t.shape[0] == size for t in shaped)
 
 
-def _all_same_shape_tensors(value: Sequence[Any]) -> bool:
-    """A nested list of same-shape tensors and nothing else: per-sample tensors (``tuple(zip(*samples))``)."""
+def _same_shape_tensors(value: Sequence[Any]) -> bool:
+    """A list or tuple (not a named tuple: ``Pair(x, y)`` holds batches) of tensors of one shape, at least one
+    dimension, and nothing else: one tensor per sample or one batch per item, which :func:`per_sample_tensors`
+    tells apart."""
     return (
-        len(value) > 2
-        and all(isinstance(item, torch.Tensor) for item in value)
+        bool(value)
+        and not hasattr(value, "_fields")
+        and all(isinstance(item, torch.Tensor) and item.dim() > 0 for item in value)
         and len({tuple(item.shape) for item in value}) == 1
     )
+
+
+def per_sample_tensors(value: Any, total: int | None) -> bool:
+    """Whether ``value``, a list or tuple of same-shape tensors inside a batch of ``total`` samples (None: not known),
+    holds one tensor per sample (a collate that keeps images as a list: ``{"images": [img] * B, "ids": (B, T)}``)
+    rather than one batch per item (two augmented views ``[v1, v2]``, each ``(B, C, H, W)``).
+
+    Per sample where it holds ``total`` tensors whose rows are not ``total``; batches where their rows are ``total``
+    and it holds another number of them. Where both readings fit (``total`` tensors of ``total`` rows: two views of
+    two samples) or neither (``total`` unknown, a ``tuple(zip(*samples))`` collate without a stacked tensor), more
+    than two tensors are per sample and one or two are batches (``(x, y)``), so a batch of two samples traced or
+    split is read as it always was. The top level of a batch is never per sample (``[x, y]`` is a batch): callers
+    ask this below it. :func:`batch_length` and :func:`split_batch`
+    read a batch alike through it (and the fake batch of a trace, ``retune.prediction.fake_batch``).
+
+    Args:
+        value: a list or tuple found below a batch's top level (anything else is not per sample).
+        total: the batch's samples, as its other tensors agree on them (None: not known).
+
+    >>> import torch
+    >>> images, ids = [torch.ones(3, 8, 8)] * 2, torch.ones(2, 16)
+    >>> per_sample_tensors(images, 2), per_sample_tensors([torch.ones(2, 5)] * 2, 2), per_sample_tensors([ids], 2)
+    (True, False, False)
+    """
+    if not isinstance(value, (list, tuple)) or not _same_shape_tensors(value):
+        return False
+    rows = int(value[0].shape[0])
+    if total is not None and len(value) == total and rows != total:
+        return True
+    if total is not None and rows == total and len(value) != total:
+        return False
+    return len(value) > 2
 
 
 def _unknown_type_message(value: Any) -> str:
@@ -206,10 +262,10 @@ def split_batch(batch: Any, pieces: int, split_fn: SplitFn | None = None) -> lis
         )
     sizes = piece_sizes(total, pieces)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [_slice(batch, start, start + size, total) for start, size in zip(starts, sizes, strict=True)]
+    return [_slice(batch, start, start + size, total, top=True) for start, size in zip(starts, sizes, strict=True)]
 
 
-def _slice(value: Any, start: int, stop: int, total: int) -> Any:
+def _slice(value: Any, start: int, stop: int, total: int, top: bool = False) -> Any:
     if isinstance(value, torch.Tensor):
         return value[start:stop] if value.dim() > 0 and value.shape[0] == total else value
     if isinstance(value, (str, bytes)) or value is None or isinstance(value, (int, float, bool)):
@@ -224,7 +280,9 @@ def _slice(value: Any, start: int, stop: int, total: int) -> Any:
         }
         return dataclasses.replace(value, **changes)
     if isinstance(value, (list, tuple)):
-        if _is_container_of_batches(value):
+        if not top and per_sample_tensors(value, total):
+            parts = list(value[start:stop])  # one tensor per sample: each piece holds its samples' tensors
+        elif _is_container_of_batches(value):
             parts = [_slice(item, start, stop, total) for item in value]
         elif len(value) == total:
             parts = list(value[start:stop])  # per-sample values: file names, raw strings
@@ -339,6 +397,7 @@ __all__ = [
     "detached",
     "join_detached",
     "join_outputs",
+    "per_sample_tensors",
     "piece_sizes",
     "pieces_for",
     "split_batch",

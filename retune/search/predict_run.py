@@ -2,8 +2,17 @@
 the verifying probes, or the reason the search falls back to real probes alone.
 
 The traces run inside the probe session (:meth:`retune.probing.prober.Prober.session`), on the batch a
-probe at a small size would train on (:meth:`~retune.probing.prober.Prober.sample_batch`: the same
-``probe_samples`` arrangement, so the same padded length), faked at each traced size. Each trace is one
+probe at a small size would train on (:meth:`~retune.probing.prober.Prober.sample_batch` at the plan's start,
+or at 2 where every step of a trial holds the same batch), faked at each traced size: the faked batches keep
+that batch's sample sizes (its padded length, :mod:`retune.prediction.fake_batch`). With ``probe_samples:
+largest`` that is the length every probe runs at (the dataset's largest samples, padded to the longest, at
+every size), and the prediction is what the probes measure. With ``probe_samples: first`` (the default) on
+data padded per batch it is not: a probe at ``N`` runs the first ``N`` samples padded to the longest of
+*those*, which grows with ``N``, while the trace keeps the first few samples' length; the prediction then
+reads low where the probes' padding is longer (45-49% on a small padded transformer with sequences of 4-23
+tokens, where ``largest`` predicted the probe to the byte), and the verifying probes correct it (the
+calibration), at the price of a first probe over the limit and more probes. Use ``probe_samples: largest``
+with variable-length data (or buckets, each traced on its own worst batch). Each trace is one
 step (:attr:`retune.prediction.trace.StepTrace.steady_bytes`: the state it creates counted as alive),
 plus the batch's bytes, which a probe counts too (on a CPU added to the tracker's count, on a device in
 the allocator's, the batch moved there inside the measured block): the prediction is the quantity a probe
@@ -31,10 +40,12 @@ trace says why, and the caller searches as if ``predict`` were ``off``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from retune import compat
 from retune.distributed.fsdp2 import ShardAccount, compute_dtypes, gradient_shards, why_not_traced
@@ -455,6 +466,13 @@ def _not_batch_first(batch: Any, size: int) -> str | None:
         length = batch_length(batch)
     except SplitError:
         return None  # the trace says why (an ambiguous batch dimension)
+    if length is not None and length > size and _samples_as_they_are(batch, size):
+        return (
+            f"the batch is a {type(batch).__name__} of {size} samples as the dataset returns them (a collate_fn "
+            f"such as `lambda b: b`), not tensors with a batch dimension ({length}, its tensors' first dimension, "
+            "is a sample's own); a prediction fakes the batch dimension: stack the samples in the collate_fn to "
+            "predict"
+        )
     if length is not None and length > size:
         return (
             f"the batch's leading dimension is {length} where the loader was asked for {size} samples: a prediction "
@@ -462,6 +480,23 @@ def _not_batch_first(batch: Any, size: int) -> str | None:
             "(length, batch)) or a loader that decides its own batch sizes is searched with real probes"
         )
     return None
+
+
+def _samples_as_they_are(batch: Any, size: int) -> bool:
+    """Whether ``batch``, asked of the loader at ``size`` samples, is those samples in a list, unstacked (a
+    ``collate_fn=lambda b: b`` over ``(x, y)`` samples): ``size`` items of one type, each a container (a tuple, a
+    list, a mapping), or each a tensor of one shape without a dimension of ``size`` (time-major fields
+    ``[src, tgt]``, each ``(length, batch)``, have one). A batch split into fields (``(x, y)``) holds tensors whose
+    first dimension is the batch's, so :func:`_not_batch_first` asks this only where that dimension is longer than
+    the samples asked for."""
+    if not isinstance(batch, (list, tuple)) or hasattr(batch, "_fields") or len(batch) != size:
+        return False
+    if len({type(item) for item in batch}) != 1:
+        return False
+    if all(isinstance(item, torch.Tensor) for item in batch):
+        shapes = {tuple(item.shape) for item in batch}
+        return len(shapes) == 1 and size not in next(iter(shapes))
+    return all(isinstance(item, (list, tuple, Mapping)) for item in batch)
 
 
 @contextmanager

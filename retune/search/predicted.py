@@ -13,7 +13,13 @@ probe, and a failure that left no peak (a real out-of-memory error) bisects. The
 pass the limit, or on a closed bracket.
 
 A size is only ever used after a real probe fit: the result is the largest probed size that fit (the
-schedule's margin then cuts it, as for ``binsearch`` and ``model``). The functions here are pure
+schedule's margin then cuts it, as for ``binsearch`` and ``model``). Where ``max_trials`` would run out before
+any size fit, the last trial goes no higher than where a search without prediction starts (the plan's start:
+``init_val``, or the warm start), or halfway below the smallest failure where that start failed
+(:func:`last_chance`): a prediction that errs low sends the first probes over the limit, and without that trial
+a search that ``predict: off`` ends on a small size that fit (with its "max_trials ran out" warning) ended with
+no size at all. The trial then may land below what a calibrated step would have reached; the result says it
+is unsettled, as any search cut short by ``max_trials`` does. The functions here are pure
 logic over ``trace(size)`` and ``measure(size)``; :mod:`retune.search.stage` connects them to the
 traces and probes of a run (:mod:`retune.search.predict_run`).
 
@@ -51,6 +57,7 @@ __all__ = [
     "Prediction",
     "PredictedResult",
     "predict_largest",
+    "last_chance",
     "run_predicted_search",
     "secant_line",
     "step_from",
@@ -235,6 +242,8 @@ def run_predicted_search(
     line = prediction.line
     calibration = Calibration()
     size: int | None = _clamp(max(1, prediction.largest), lo, hi, plan.upper)
+    if size is not None and plan.max_trials == 1:
+        size = last_chance(plan, size, hi)
     while size is not None:
         ok, peak = measure(size)
         result.trials.append(Trial(size, ok))
@@ -258,6 +267,8 @@ def run_predicted_search(
                 result.unsettled = open_bracket(lo, hi)
             break
         size = _next(plan, line, calibration, measured, lo, hi, limit)
+        if size is not None and lo is None and len(result.trials) == plan.max_trials - 1:
+            size = last_chance(plan, size, hi)  # the last trial, and nothing fit yet
     result.max_fitting, result.min_failing = lo, hi
     result.calibration = calibration
     corrected = _corrected(line, calibration)
@@ -266,6 +277,26 @@ def run_predicted_search(
     result.size = None if lo is None else apply_margin(plan, lo, True, capacity)
     result.model = MemoryModel(corrected.fixed, corrected.per_sample)
     return result
+
+
+def last_chance(plan: SearchPlan, candidate: int, failed: int | None) -> int:
+    """The size for a search's last trial where no size has fit yet: ``candidate`` (where the calibrated line or the
+    bisection goes next), but no higher than the plan's start, the size a search without prediction probes first
+    (``init_val``, or where a warm start resumes), nor, where that start is at or above ``failed`` (the smallest
+    size that failed), than halfway below it, as such a search halves a start that failed. A search that would
+    otherwise end with nothing fitting ends, where it can, on a verified size (see the module doc).
+
+    Args:
+        plan: the search's plan: its start is the size a search without prediction probes first.
+        candidate: the size the predicted search would probe next.
+        failed: the smallest size that failed so far (None: none did).
+
+    >>> plan = SearchPlan(mode="binsearch", start=2, max_trials=1, margin=0.0, upper=1024)
+    >>> last_chance(plan, 147, None), last_chance(plan, 1, 147), last_chance(plan, 90, 2)
+    (2, 1, 1)
+    """
+    safe = plan.start if failed is None or plan.start < failed else max(1, failed // 2)
+    return max(1, min(candidate, safe))
 
 
 def _corrected(line: PeakLine, calibration: Calibration) -> PeakLine:

@@ -360,9 +360,14 @@ def _nothing_fits(what: str, label: str, epoch: int, result: SearchResult, budge
     smallest = min(t.batch_size for t in result.trials) if result.trials else 1
     count = len(result.trials)
     within = "memory" if budget is None else f"memory.budget ({budget / 2**20:.4g} MiB)"
+    # a probe fails by running out of memory or by measuring over the limit (a budget, a predicted search's
+    # probes): say which where the trial measured a peak
+    peaks = {t.batch_size: p for t, p in zip(result.trials, result.peaks, strict=False) if p is not None}
+    peak = peaks.get(smallest)
+    how = "did not fit" if peak is None else f"peaked at {peak / 2**20:.4g} MiB, over the limit"
     return RetuneError(
         f"no {what} fits in {within} after trigger {label!r} at epoch {epoch}: the smallest "
-        f"size tried, {smallest}, ran out of memory ({count} trial{'' if count == 1 else 's'}). Free memory (freeze "
+        f"size tried, {smallest}, {how} ({count} trial{'' if count == 1 else 's'}). Free memory (freeze "
         "more layers, lower precision, shorter inputs)"
         + ("" if budget is None else ", raise memory.budget")
         + " or raise search.max_trials if it stopped early."
