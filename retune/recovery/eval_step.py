@@ -8,6 +8,7 @@ runs again as micro-batches, their outputs are joined and their logged values we
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from retune.errors import RetuneError
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.recovery.micro_batches import KeptSplit, Recovered, all_single, samples_in
 from retune.recovery.side_effects import SideEffects
-from retune.recovery.split import SplitFn, batch_length, join_outputs, pieces_for, split_batch
+from retune.recovery.split import Readings, SplitError, SplitFn, batch_length, join_outputs, pieces_for, split_batch
 
 
 class EvalStepRecovery(KeptSplit):
@@ -47,12 +48,20 @@ class EvalStepRecovery(KeptSplit):
         self.journal_logs = journal_logs
         self.logging = logging
         self.split_fn = split_fn
+        self.readings = Readings()
+        """How the loop's lists of same-shape tensors read, as its batches tell (read from the first batch, so a
+        last batch that reads both ways is split as the first was: :class:`~retune.recovery.split.Readings`)."""
+        self._read_first = False
         self.on_recovered = on_recovered
         self.where = where
         self.max_size: int | None = None  # the kept split: largest micro-batch (samples) for the rest of the loop
         self.pieces = 1  # the same, for micro-batches that do not tell their size (a custom split_batch)
 
     def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.split_fn is None and not self._read_first:
+            self._read_first = True
+            with contextlib.suppress(SplitError):  # a batch that cannot be split says so where it runs out of memory
+                batch_length(batch, self.readings)  # the first batch's readings, before any can be ambiguous
         failed_in = ""
         known = self.max_size is not None and self.split_fn is None
         if self.pieces == 1 and (not known or (samples_in(batch) or 0) <= (self.max_size or 0)):
@@ -68,14 +77,14 @@ class EvalStepRecovery(KeptSplit):
             rollback_logs()  # what the failed step logged before it ran out of memory
             clear_device_cache()
             failed_in = "forward"
-        total = batch_length(batch) if self.split_fn is None else None
+        total = batch_length(batch, self.readings) if self.split_fn is None else None
         if total is not None:
             pieces = pieces_for(total, self.max_size if not failed_in and self.max_size else -(-total // 2))
         else:
             pieces = max(2, self.pieces)
         tried = 1 if failed_in else 0
         while True:
-            micro = split_batch(batch, pieces, self.split_fn)
+            micro = split_batch(batch, pieces, self.split_fn, self.readings)
             if tried and len(micro) <= tried:
                 if all_single(micro):
                     raise RetuneError(

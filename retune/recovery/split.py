@@ -3,7 +3,8 @@
 Pure logic over the containers batches are made of, free of Lightning: tensors, tuples, lists,
 named tuples, dicts and other mappings (Hugging Face ``BatchEncoding`` included), dataclasses,
 and lists of per-sample Python values (strings, file names) or of one same-shape tensor per sample
-(:func:`per_sample_tensors`: a collate that keeps images as a list) whose length is the batch's. Values
+(:func:`per_sample_tensors`: a collate that keeps images as a list) whose length is the batch's, and the
+dataset's samples in a list as they are (:func:`samples_as_listed`: ``collate_fn=lambda b: b``). Values
 without a batch dimension (a scalar tensor, an int, ``None``, a string) are given unchanged to
 every micro-batch. A batch type retune does not know is not guessed at: :func:`split_batch`
 raises :class:`SplitError` naming the type, and ``ScheduledBatchSizeFinder(split_batch=fn)``
@@ -30,6 +31,21 @@ SplitFn = Callable[[Any, int], Sequence[Any]]
 
 class SplitError(TypeError):
     """A batch that cannot be split along its batch dimension by the built-in rules."""
+
+
+@dataclasses.dataclass
+class Readings:
+    """How each list of same-shape tensors in a run's batches reads, by its place in the batch (``batch[0]``,
+    ``batch['images']``): one tensor per sample (True) or one batch per item (False).
+
+    A batch tells where the list's length and its tensors' rows differ (eight images of 3 channels, three
+    ``(ids, mask, type_ids)`` of 8 rows); a batch of as many samples as the list has tensors, each of that many
+    rows (the last batch of 3 beside that triple, 2 stereo clips of 2 channels), reads both ways. A recovery keeps
+    the readings its batches told (the first batch's at fit start) and reads such a batch as they did; without one,
+    :func:`per_sample_tensors` guesses from the list's length.
+    """
+
+    per_sample: dict[str, bool] = dataclasses.field(default_factory=dict)
 
 
 def piece_sizes(total: int, pieces: int) -> list[int]:
@@ -68,7 +84,7 @@ def pieces_for(total: int, max_size: int, min_size: int = 1) -> int:
     return pieces
 
 
-def batch_length(batch: Any) -> int | None:
+def batch_length(batch: Any, readings: Readings | None = None) -> int | None:
     """The number of samples in ``batch``: the leading dimension its tensors share (None if it has none).
 
     Raises :class:`SplitError` when the batch dimension is ambiguous, since a split would then pair
@@ -79,7 +95,11 @@ def batch_length(batch: Any) -> int | None:
 
     Args:
         batch: a batch as the loader yields it: a tensor, or containers of tensors and per-sample values.
+        readings: where given, what this batch tells of its lists of same-shape tensors is kept there, and a list
+            it leaves open reads as kept (:class:`Readings`).
     """
+    if samples_as_listed(batch):
+        return len(batch)
     lengths: dict[int, str] = {}
     per_sample: dict[int, str] = {}
     stacks: dict[str, Sequence[torch.Tensor]] = {}
@@ -88,7 +108,7 @@ def batch_length(batch: Any) -> int | None:
     # sample where it holds that many ({"images": [img] * B, "ids": (B, T)}), batches where they have that many rows
     known = next(iter(lengths)) if len(lengths) == 1 else None
     for path, stack in stacks.items():
-        if per_sample_tensors(stack, known):
+        if per_sample_tensors(stack, known, readings, path):
             per_sample.setdefault(len(stack), path)
         else:
             lengths.setdefault(int(stack[0].shape[0]), f"{path}[0]")
@@ -109,6 +129,69 @@ def batch_length(batch: Any) -> int | None:
             "cannot tell the batch dimension; stack the samples in your collate_fn or pass split_batch=fn"
         )
     return total
+
+
+def samples_as_listed(batch: Any) -> bool:
+    """Whether ``batch`` is the dataset's samples in a list, unstacked (``collate_fn=lambda b: b`` over
+    ``(image, label)`` or ``{"input_ids": ..., "label": 3}`` samples): its length is then the batch's, and a
+    micro-batch is a slice of the list.
+
+    Read as samples: a list or tuple (not a named tuple) of containers of one structure (the same type, keys or
+    length) where an item holds a value that only a sample has, a number, a string or a tensor without a
+    dimension, as its own field (a collated batch holds such values only in per-sample lists). Without that
+    sign the list is read as a container of batches (``[x_pair, y_pair]``, one batch per loader), as before:
+    samples whose every field is a tensor of one length cannot be told from that, so give such a batch
+    ``split_batch=fn`` (``lambda b, n: [b[i::n] for i in range(n)]`` keeps no order; slice it) or stack it.
+
+    >>> import torch
+    >>> samples = [(torch.ones(3, 8), 1) for _ in range(5)]
+    >>> samples_as_listed(samples), batch_length(samples)
+    (True, 5)
+    >>> samples_as_listed([torch.ones(5, 8), torch.ones(5)])  # [x, y]: a batch split into fields
+    False
+    """
+    if not isinstance(batch, (list, tuple)) or hasattr(batch, "_fields") or not batch:
+        return False
+    layout = _layout(batch[0])
+    if layout is None or any(_layout(item) != layout for item in batch[1:]):
+        return False
+    return any(_holds_sample_value(item) for item in batch)
+
+
+def _layout(item: Any) -> tuple[Any, ...] | None:
+    """A container's type and shape of fields (keys, length, dataclass), None for anything else."""
+    if isinstance(item, Mapping):
+        return (type(item), tuple(item.keys()))
+    if dataclasses.is_dataclass(item) and not isinstance(item, type):
+        return (type(item),)
+    if isinstance(item, (list, tuple)):
+        return (type(item), len(item))
+    return None
+
+
+def _holds_sample_value(item: Any) -> bool:
+    """Whether a container holds, as its own field, a value that a collated batch holds only inside a per-sample
+    list: a number, a string, a tensor without a dimension. A tuple or list counts only where its fields are of
+    several kinds (``(image, 3)``): ``tuple(zip(*samples))`` makes one tuple per field, all labels or all images."""
+    if isinstance(item, Mapping):
+        fields: list[Any] = list(item.values())
+    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+        fields = [getattr(item, f.name) for f in dataclasses.fields(item)]
+    elif isinstance(item, (list, tuple)):
+        fields = list(item)
+        if len({_kind(value) for value in fields}) < 2:
+            return False
+    else:
+        return False
+    return any(_kind(value) == "value" for value in fields) or any(
+        _holds_sample_value(value) for value in fields if isinstance(value, Mapping)
+    )
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (str, bytes, int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return "value"
+    return "tensor" if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def _collect_lengths(
@@ -193,7 +276,9 @@ def _same_shape_tensors(value: Sequence[Any]) -> bool:
     )
 
 
-def per_sample_tensors(value: Any, total: int | None) -> bool:
+def per_sample_tensors(
+    value: Any, total: int | None, readings: Readings | None = None, path: str | None = None
+) -> bool:
     """Whether ``value``, a list or tuple of same-shape tensors inside a batch of ``total`` samples (None: not known),
     holds one tensor per sample (a collate that keeps images as a list: ``{"images": [img] * B, "ids": (B, T)}``)
     rather than one batch per item (two augmented views ``[v1, v2]``, each ``(B, C, H, W)``).
@@ -209,6 +294,9 @@ def per_sample_tensors(value: Any, total: int | None) -> bool:
     Args:
         value: a list or tuple found below a batch's top level (anything else is not per sample).
         total: the batch's samples, as its other tensors agree on them (None: not known).
+        readings: the run's :class:`Readings`: a reading this batch tells is kept there under ``path``, and one it
+            leaves open is read from there where an earlier batch told it.
+        path: the list's place in the batch, as :func:`batch_length` names fields (``batch[0]``).
 
     >>> import torch
     >>> images, ids = [torch.ones(3, 8, 8)] * 2, torch.ones(2, 16)
@@ -218,10 +306,17 @@ def per_sample_tensors(value: Any, total: int | None) -> bool:
     if not isinstance(value, (list, tuple)) or not _same_shape_tensors(value):
         return False
     rows = int(value[0].shape[0])
+    told: bool | None = None
     if total is not None and len(value) == total and rows != total:
-        return True
-    if total is not None and rows == total and len(value) != total:
-        return False
+        told = True
+    elif total is not None and rows == total and len(value) != total:
+        told = False
+    if told is not None:
+        if readings is not None and path is not None:
+            readings.per_sample[path] = told
+        return told
+    if readings is not None and path is not None and path in readings.per_sample:
+        return readings.per_sample[path]
     return len(value) > 2
 
 
@@ -234,7 +329,9 @@ def _unknown_type_message(value: Any) -> str:
     )
 
 
-def split_batch(batch: Any, pieces: int, split_fn: SplitFn | None = None) -> list[Any]:
+def split_batch(
+    batch: Any, pieces: int, split_fn: SplitFn | None = None, readings: Readings | None = None
+) -> list[Any]:
     """``batch`` as up to ``pieces`` micro-batches that together hold every sample exactly once, in order.
 
     Fewer pieces come back when the batch has fewer samples than ``pieces``. ``split_fn`` replaces
@@ -245,6 +342,7 @@ def split_batch(batch: Any, pieces: int, split_fn: SplitFn | None = None) -> lis
         pieces: how many micro-batches to aim for (>= 1).
         split_fn: ``fn(batch, pieces) -> list of micro-batches``, for a batch type the built-in rules do not know;
             None: the built-in rules.
+        readings: the run's :class:`Readings` of lists of same-shape tensors (None: each batch read on its own).
     """
     if pieces < 1:
         raise ValueError(f"pieces must be >= 1, got {pieces}")
@@ -253,7 +351,7 @@ def split_batch(batch: Any, pieces: int, split_fn: SplitFn | None = None) -> lis
         if not parts:
             raise SplitError(f"split_batch returned no micro-batches for {pieces} pieces")
         return parts
-    total = batch_length(batch)
+    total = batch_length(batch, readings)
     if total is None:
         raise SplitError(
             f"this {type(batch).__name__} batch holds no tensor with a batch dimension (per-sample tensors in a "
@@ -262,33 +360,46 @@ def split_batch(batch: Any, pieces: int, split_fn: SplitFn | None = None) -> lis
         )
     sizes = piece_sizes(total, pieces)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [_slice(batch, start, start + size, total, top=True) for start, size in zip(starts, sizes, strict=True)]
+    return [
+        _slice(batch, start, start + size, total, "batch", readings, top=True)
+        for start, size in zip(starts, sizes, strict=True)
+    ]
 
 
-def _slice(value: Any, start: int, stop: int, total: int, top: bool = False) -> Any:
+def _slice(
+    value: Any, start: int, stop: int, total: int, path: str, readings: Readings | None, top: bool = False
+) -> Any:
+    if top and samples_as_listed(value):
+        return type(value)(value[start:stop])  # the samples as they are: each piece holds its own
     if isinstance(value, torch.Tensor):
         return value[start:stop] if value.dim() > 0 and value.shape[0] == total else value
     if isinstance(value, (str, bytes)) or value is None or isinstance(value, (int, float, bool)):
         return value
     if isinstance(value, Mapping):
-        items = {key: _slice(item, start, stop, total) for key, item in value.items()}
+        items = {key: _slice(item, start, stop, total, f"{path}[{key!r}]", readings) for key, item in value.items()}
         return _rebuild_mapping(value, items)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # init fields only: replace() refuses a field with init=False (its __post_init__ makes it again)
         changes = {
-            f.name: _slice(getattr(value, f.name), start, stop, total) for f in dataclasses.fields(value) if f.init
+            f.name: _slice(getattr(value, f.name), start, stop, total, f"{path}.{f.name}", readings)
+            for f in dataclasses.fields(value)
+            if f.init
         }
         return dataclasses.replace(value, **changes)
     if isinstance(value, (list, tuple)):
-        if not top and per_sample_tensors(value, total):
+        fields = getattr(value, "_fields", None)
+        if not top and per_sample_tensors(value, total, readings, path):
             parts = list(value[start:stop])  # one tensor per sample: each piece holds its samples' tensors
         elif _is_container_of_batches(value):
-            parts = [_slice(item, start, stop, total) for item in value]
+            parts = [
+                _slice(item, start, stop, total, f"{path}.{fields[i]}" if fields else f"{path}[{i}]", readings)
+                for i, item in enumerate(value)
+            ]
         elif len(value) == total:
             parts = list(value[start:stop])  # per-sample values: file names, raw strings
         else:
             return value
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
+        if isinstance(value, tuple) and fields is not None:
             return type(value)(*parts)  # a named tuple
         return type(value)(parts)
     raise SplitError(_unknown_type_message(value))
@@ -391,6 +502,7 @@ def join_detached(outputs: Sequence[Any], sizes: Sequence[int | None] | None = N
 
 
 __all__ = [
+    "Readings",
     "SplitError",
     "SplitFn",
     "batch_length",
@@ -400,5 +512,6 @@ __all__ = [
     "per_sample_tensors",
     "piece_sizes",
     "pieces_for",
+    "samples_as_listed",
     "split_batch",
 ]

@@ -57,7 +57,7 @@ from retune.recovery.micro_batches import (
 from retune.recovery.oom_sites import add_note, oom_site, split_helps, why_not_recovered
 from retune.recovery.running_stats import RunningStats, needs_two_samples
 from retune.recovery.side_effects import SideEffects
-from retune.recovery.split import SplitError, SplitFn, batch_length, pieces_for, split_batch
+from retune.recovery.split import Readings, SplitError, SplitFn, batch_length, pieces_for, split_batch
 from retune.recovery.step_rng import StepRng
 from retune.step_parts import StepParts
 
@@ -94,6 +94,10 @@ class TrainStepRecovery(KeptSplit):
         """With ``split_key``: each key's kept split ``(max_size, pieces)``; ``max_size``/``pieces`` hold the
         split of the batch being trained, so an OOM in one bucket does not cut every other bucket's batches."""
         self.split_fn = split_fn
+        self.readings = Readings()
+        """How the batches' lists of same-shape tensors read (per sample or batches), as the batches that tell say:
+        a batch that reads both ways (a last batch of three beside an ``(ids, mask, type_ids)`` triple) is split as
+        the first batch read it at fit start."""
         self.loss_reduction = loss_reduction
         self.items_fn = items_fn if items_fn is not None else resolve_items_fn(None)
         self.on_recovered = on_recovered
@@ -198,7 +202,7 @@ class TrainStepRecovery(KeptSplit):
         """
         if self.split_fn is None:
             try:
-                total = batch_length(batch)
+                total = batch_length(batch, self.readings)
                 if total is None:
                     split_batch(batch, 2)  # raises the message that says why
             except SplitError as exc:
@@ -241,7 +245,7 @@ class TrainStepRecovery(KeptSplit):
         zero_done: bool,
         failed_in: str,
     ) -> Any:
-        total = batch_length(step.batch) if self.split_fn is None else samples_in(step.batch)
+        total = batch_length(step.batch, self.readings) if self.split_fn is None else samples_in(step.batch)
         if total is None and self.split_fn is None:
             split_batch(step.batch, 2)  # raises SplitError naming the type and the way out
         min_size = self._min_size()
@@ -283,7 +287,7 @@ class TrainStepRecovery(KeptSplit):
         try:
             while True:
                 count = pieces_for(total, size, min_size) if total is not None and size is not None else pieces
-                micro = split_batch(step.batch, count, self.split_fn)
+                micro = split_batch(step.batch, count, self.split_fn, self.readings)
                 largest = largest_piece(micro)
                 no_progress = (
                     len(micro) <= tried if failed_largest is None or largest is None else largest >= failed_largest

@@ -325,3 +325,90 @@ def test_a_size_that_failed_in_training_is_kept_in_the_checkpoint() -> None:
 
     state = StageState.from_dict({**StageState(size=8).to_dict(), "failed_in_training": 12})
     assert state.failed_in_training == 12 and StageState.from_dict(state.to_dict()) == state
+
+
+class RawSamples(TokenModel):
+    """``collate_fn=lambda b: b``: the step gets the dataset's samples in a list and pads them itself."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(pad_collate(batch), batch_idx)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.batch_sizes.append(len(batch))
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=self.batch_size, collate_fn=lambda samples: samples)
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_list_of_raw_samples_recovers_sample_by_sample(where: str) -> None:
+    """A list of sample dicts was read by their fields (the first sample's ids' length): refused at fit start where
+    the lengths differ, and where they agree, split along each sample's tokens (every micro-batch held every sample)."""
+    base, _, base_trainer = _fit(None, model_cls=RawSamples)
+    model, finder, trainer = _fit(300, where, model_cls=RawSamples)
+    recoveries = [e for e in finder.history if e.trigger == "oom"]
+    assert recoveries and all(e.micro_batches >= 2 for e in recoveries), "some steps must run out of memory"
+    # each micro-batch pads its own samples, so a round can fail partway: `trained` counts the backwards of the
+    # rounds taken back too, and the update is what says every sample counted once
+    assert set(model.trained) == set(range(len(model.data)))
+    assert trainer.global_step == base_trainer.global_step and model.batch_sizes == base.batch_sizes
+    assert _max_diff(base, model) < 1e-5
+
+
+class TripleInputs(pl.LightningModule):  # type: ignore[misc,name-defined]
+    """A Hugging Face-style ``((input_ids, attention_mask, token_type_ids), labels)`` batch; 43 samples in batches of 8,
+    so the last holds 3, as many samples as the triple has tensors. Above ``capacity`` samples a step runs out of
+    memory (the real error type)."""
+
+    def __init__(self, capacity: int | None) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.batch_size = 8
+        g = torch.Generator().manual_seed(0)
+        self.data = torch.utils.data.TensorDataset(
+            torch.randint(1, 20, (43, 6), generator=g),
+            torch.ones(43, 6, dtype=torch.long),
+            torch.zeros(43, 6, dtype=torch.long),
+            torch.randint(0, 3, (43,), generator=g),
+        )
+        self.embed = torch.nn.Embedding(20, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (ids, mask, types), labels = batch
+        if self.capacity is not None and len(labels) > self.capacity:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (oracle: {len(labels)} > {self.capacity})")
+        hidden = (self.embed(ids) * mask.unsqueeze(-1) + types.unsqueeze(-1)).mean(1)
+        return torch.nn.functional.cross_entropy(self.head(hidden), labels)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        def collate(samples: list[Any]) -> Any:
+            ids, mask, types, labels = (torch.stack(column) for column in zip(*samples, strict=True))
+            return (ids, mask, types), labels
+
+        return DataLoader(self.data, batch_size=self.batch_size, collate_fn=collate)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_last_batch_as_long_as_a_tuple_of_inputs_is_split_along_its_rows() -> None:
+    """The last batch of 3 beside a triple of inputs reads both ways; it was split as one tensor per sample (the fit
+    died unpacking two tensors at its last step). It is split as the first batch read: three batches of rows."""
+    runs = []
+    for capacity in (None, 2):
+        seed(0)
+        model = TripleInputs(capacity)
+        finder = ScheduledBatchSizeFinder(OOM, verbose=False, write_report=False)
+        trainer = pl.Trainer(
+            max_epochs=1,
+            callbacks=[finder] if capacity else [],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model)
+        runs.append((model, trainer.global_step))
+    (base, base_steps), (model, steps) = runs
+    assert steps == base_steps == 6 and _max_diff(base, model) < 1e-6

@@ -8,7 +8,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from retune.recovery.split import SplitError, batch_length, join_outputs, piece_sizes, split_batch
+from retune.recovery.split import (
+    Readings,
+    SplitError,
+    batch_length,
+    join_outputs,
+    piece_sizes,
+    samples_as_listed,
+    split_batch,
+)
 
 
 def test_piece_sizes_cover_every_sample_and_never_exceed_the_total() -> None:
@@ -115,3 +123,47 @@ def test_join_keeps_per_batch_statistics_and_ragged_predictions_whole() -> None:
     joined = join_outputs(outs, sizes=[2, 2])
     assert torch.equal(joined["stat"], torch.ones(4) * 2)  # not batched: the last micro-batch's
     assert [p.shape for p in joined["pred"]] == [(2, 5), (2, 7)]  # batched, ragged: every piece, in order
+
+
+def test_a_list_of_samples_as_the_dataset_returns_them_splits_into_samples() -> None:
+    """``collate_fn=lambda b: b``: a list of ``(image, label)`` samples of one shape was read as a batch of
+    ``image.shape[0]`` (3, the channels) and split along each sample's channels, every micro-batch holding every
+    sample; the samples are the batch."""
+    samples = [(torch.full((3, 4, 4), float(i)), i) for i in range(5)]
+    assert samples_as_listed(samples) and batch_length(samples) == 5
+    pieces = split_batch(samples, 2)
+    assert [len(p) for p in pieces] == [3, 2] and all(type(p) is list for p in pieces)
+    assert [label for p in pieces for _, label in p] == [0, 1, 2, 3, 4]
+    assert all(image.shape == (3, 4, 4) for p in pieces for image, _ in p)
+    records = [{"input_ids": torch.ones(7, dtype=torch.long), "label": torch.tensor(i)} for i in range(4)]
+    assert batch_length(records) == 4 and [len(p) for p in split_batch(records, 4)] == [1, 1, 1, 1]
+
+
+def test_lists_that_are_batches_are_not_read_as_samples() -> None:
+    """What a collate makes stays a batch: ``[x, y]`` (default_collate of tuples), a ``tuple(zip(*samples))`` of
+    images and labels, per-sample strings of a text pair, two loaders' ``[x, y]`` batches."""
+    x, y = torch.zeros(6, 3), torch.zeros(6, dtype=torch.long)
+    assert not samples_as_listed([x, y]) and batch_length([x, y]) == 6
+    zipped = (tuple(torch.zeros(3, 8, 8) for _ in range(4)), (1, 0, 1, 0))
+    assert not samples_as_listed(zipped)
+    assert not samples_as_listed([["a", "b", "c"], ["d", "e", "f"]])
+    assert not samples_as_listed([[x, y], [x, y]]) and batch_length([[x, y], [x, y]]) == 6
+
+
+def test_a_batch_that_reads_both_ways_is_split_as_the_run_read_its_first_batch() -> None:
+    """Three tensors of three rows read as three samples' tensors or as three batches: an ``(ids, mask, type_ids)``
+    triple of 8 rows reads as batches, so its last batch of 3 must too (it was split as one tensor per sample, and
+    ``training_step`` could not unpack two tensors); two stereo clips of 2 channels beside 8 clips read as samples."""
+    readings = Readings()
+    full = (tuple(torch.zeros(8, 5) for _ in range(3)), torch.arange(8))
+    assert batch_length(full, readings) == 8 and readings.per_sample == {"batch[0]": False}
+    last = (tuple(torch.arange(15.0).view(3, 5) + 100 * j for j in range(3)), torch.arange(3))
+    pieces = split_batch(last, 2, readings=readings)
+    assert [[tuple(t.shape) for t in p[0]] for p in pieces] == [[(2, 5)] * 3, [(1, 5)] * 3]
+    assert [p[1].tolist() for p in pieces] == [[0, 1], [2]]
+    stereo = Readings()
+    batch_length({"clips": [torch.zeros(2, 100)] * 8, "ids": torch.zeros(8, 4)}, stereo)
+    last_two = {"clips": [torch.full((2, 100), float(i)) for i in range(2)], "ids": torch.arange(8.0).view(2, 4)}
+    halves = split_batch(last_two, 2, readings=stereo)
+    assert [len(h["clips"]) for h in halves] == [1, 1] and [h["clips"][0][0, 0].item() for h in halves] == [0.0, 1.0]
+    assert [h["clips"][0].shape for h in halves] == [(2, 100), (2, 100)]
