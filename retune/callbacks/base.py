@@ -96,6 +96,7 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         last checkpoint, written back when a fit resumes (Lightning rebuilds ``hparams`` from the constructor)."""
         self._entry: str | None = None  # the entry point (fit, validate, test, predict) of the current setup
         self._fit_started = False  # this fit's on_fit_start ran (a strategy may restore callbacks after it)
+        self._fit_ran = False  # some fit's on_fit_start ran: a checkpoint written before one has nothing to resume
         self._attached: tuple[weakref.ref[Any], weakref.ref[Any]] | None = None  # the setup's trainer and module
 
     def __getstate__(self) -> dict[str, Any]:
@@ -117,6 +118,8 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         ``test`` or ``predict`` leaves a fit's state alone (:meth:`_load_common_state`)."""
         self._entry = stage
         self._fit_started = False
+        # a checkpoint read before an earlier fit's on_fit_start (the tuner's, which exits there) is not this fit's
+        self._restored = False
         self._attached = (weakref.ref(trainer), weakref.ref(pl_module))
         self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
         messages.set_rank(int(getattr(trainer, "global_rank", 0)))
@@ -192,6 +195,7 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
             "history": [event.to_dict() for event in self.history],
             "triggers": trigger_states(self.triggers),
             "lr_attributes": dict(self._lr_values),
+            "fit_ran": self._fit_ran,
         }
 
     def _load_common_state(self, state_dict: dict[str, Any], event: Callable[[dict[str, Any]], Any]) -> bool:
@@ -201,13 +205,18 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         (``ckpt_path``): the fit's history, sizes and baselines stay this callback's, and a later ``fit`` starts as a
         fit does. Where the strategy restores callbacks after ``on_fit_start`` (``restore_checkpoint_after_setup``:
         FSDP, ``ModelParallelStrategy``), the resumed state is applied right away (:meth:`_resume`), before
-        Lightning builds the train loader: a subclass calls :meth:`_loaded` once it has read its own keys."""
-        if self._entry not in (None, "fit"):
+        Lightning builds the train loader: a subclass calls :meth:`_loaded` once it has read its own keys.
+
+        Also False for a checkpoint written before any fit's ``on_fit_start`` ran (``fit_ran``): Lightning's
+        ``BatchSizeFinder``/``LearningRateFinder`` and the ``Tuner`` save one and read it back inside a fit, which
+        is no resume (the fit-start search and range test were skipped); checkpoints without the key are resumed."""
+        if self._entry not in (None, "fit") or state_dict.get("fit_ran", True) is False:
             return False
         self.history = [event(e) for e in state_dict.get("history", [])]
         load_trigger_states(self.triggers, state_dict.get("triggers", []))
         self._lr_values = {str(k): float(v) for k, v in state_dict.get("lr_attributes", {}).items()}
         self._restored = True
+        self._fit_ran = True  # the checkpoint's fit ran: one written from this state again is resumed too
         return True
 
     def _loaded(self) -> None:
@@ -219,7 +228,7 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
     def _fit_start(self, trainer: Any, pl_module: Any) -> None:
         """``on_fit_start``'s common part: a fit resumed from a checkpoint goes on from it (:meth:`_resume`), else
         the fit's first epoch start is its fit start."""
-        self._fit_started = True
+        self._fit_started = self._fit_ran = True
         if self._restored:
             self._resume(trainer, pl_module)
         else:

@@ -198,9 +198,13 @@ class ScheduledBatchSizeFinder(RetuneCallback):
         if not self.batch_sizes:
             self._fit_starting = True
             return
-        for stage, size in self.batch_sizes.items():
-            if stage in ("train", "val"):
-                compat.set_batch_attr(trainer, pl_module, self._attrs.name(trainer, pl_module, stage), size)
+        # the val size only onto an attribute of its own in this schedule: a shared one is the train size's (a val size
+        # the checkpoint tuned on its own attribute, or a standalone validate() found, would overwrite it)
+        own_val = "val" in self.schedule.stages and self._attrs.separate_val(trainer, pl_module)
+        for stage in ("train", "val") if own_val else ("train",):
+            if stage in self.batch_sizes:
+                name = self._attrs.name(trainer, pl_module, stage)
+                compat.set_batch_attr(trainer, pl_module, name, self.batch_sizes[stage])
         if self._policies.accumulate is not None:
             compat.set_accumulation(trainer, self._policies.accumulate)
         if self._buckets is not None and self._buckets.hook.installed:

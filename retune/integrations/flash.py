@@ -239,6 +239,10 @@ class RetuneFlashStrategy(FlashBaseFinetuning):  # type: ignore[misc]
         super().on_predict_end(trainer, pl_module)
         self.finder.on_predict_end(trainer, pl_module)
 
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self.finder.teardown(trainer, pl_module, stage)  # a checkpoint loaded by hand afterwards is a fit's
+
     def state_dict(self) -> dict[str, Any]:
         state = dict(super().state_dict())
         state["retune"] = self.finder.state_dict()

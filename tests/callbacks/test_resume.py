@@ -100,3 +100,35 @@ def test_evaluating_from_a_checkpoint_leaves_the_fits_state_alone(tmp_path: Path
 
     make_trainer(finder, max_epochs=1).fit(C.AttrModel())
     assert [e.trigger for e in finder.history] == ["fit_start", "epoch", "fit_start"]
+
+
+class OwnValSize(C.AttrModel):  # type: ignore[misc, name-defined]
+    """Validation reads its own attribute, ``eval_bs``; the train loader reads ``batch_size``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.eval_bs = START
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, _ = batch
+        with torch.no_grad():
+            self(x)
+
+    def val_dataloader(self) -> Any:
+        return self.loader(self.eval_bs)
+
+
+def test_resuming_without_the_val_stage_keeps_the_val_size_off_the_train_attribute(tmp_path: Path) -> None:
+    """A checkpoint tuned val on its own attribute; the resumed fit's schedule tunes train only, so "val" names the
+    train attribute there: the checkpoint's val size went onto ``batch_size`` and training resumed at it."""
+    own_val = {**SCHEDULE, "stages": ["train", "val"], "stage_batch_arg_names": {"val": "eval_bs"}}
+    first = ScheduledBatchSizeFinder(own_val, verbose=False, write_report=False)
+    checkpoint = callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    make_trainer(checkpoint, first, enable_checkpointing=True, limit_val_batches=1).fit(OwnValSize())
+    train, val = first.batch_sizes["train"], first.batch_sizes["val"]
+    assert train != val, "the test needs a val size other than the train size"
+    model = OwnValSize()
+    second = ScheduledBatchSizeFinder(SCHEDULE, verbose=False, write_report=False)
+    seen = FirstLoader(second)
+    make_trainer(seen, second, max_epochs=2, limit_val_batches=1).fit(model, ckpt_path=tmp_path / "last.ckpt")
+    assert seen.first == model.batch_size == train and model.eval_bs == START

@@ -655,3 +655,25 @@ def test_an_attribute_that_names_a_tested_and_an_untested_groups_rate_is_left_al
     (event,) = finder.history
     assert event.groups == [1] and event.lrs_before == [pytest.approx(0.05)]
     assert model.lr == 0.05 and "set too" not in event.note
+
+
+def test_lightnings_batch_size_finder_in_the_same_fit_is_no_resume(tmp_path: Path) -> None:
+    """Lightning's ``BatchSizeFinder`` saves a checkpoint in its ``on_fit_start`` and reads it back, which calls every
+    callback's ``load_state_dict``: the range test took the fit for resumed and skipped its fit-start test."""
+    finder = ScheduledLRFinder(SCHEDULE, verbose=False, write_report=False)
+    lightning_bsf = callbacks.BatchSizeFinder(mode="power", init_val=16, max_trials=1, steps_per_trial=1)
+    _trainer(tmp_path, [lightning_bsf, finder], epochs=1).fit(_model())
+    assert [(e.trigger, e.epoch) for e in finder.history] == [("fit_start", 0)]
+
+
+def test_a_fit_after_the_tuner_runs_its_fit_start_test(tmp_path: Path) -> None:
+    """``Tuner(trainer).scale_batch_size(model)`` then ``trainer.fit(model)``: the tuner reads its checkpoint back
+    inside a fit it ends before ``on_fit_start``, and the next fit took itself for resumed (no range test)."""
+    finder = ScheduledLRFinder(SCHEDULE, verbose=False, write_report=False)
+    trainer = _trainer(tmp_path, [finder], epochs=1)
+    model = _model()
+    tuner = trainer.tuner if LEGACY else pl.tuner.Tuner(trainer)
+    tuner.scale_batch_size(model, mode="power", init_val=16, max_trials=1, steps_per_trial=1)
+    assert finder.history == []
+    trainer.fit(model)
+    assert [(e.trigger, e.epoch) for e in finder.history] == [("fit_start", 0)]
