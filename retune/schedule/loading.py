@@ -121,6 +121,7 @@ _StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG
 
 
 _OCTAL = re.compile(r"[-+]?0[0-7_]+")  # YAML 1.1's octal integer: `010` is 8
+_LEADING_ZERO_DECIMAL = re.compile(r"[-+]?0[0-9_]*[89][0-9_]*")  # `09`: no octal, no integer: a string
 _SEXAGESIMAL = re.compile(r"[-+]?[1-9][0-9_]*(?::[0-5]?[0-9])+")  # YAML 1.1's base 60: `1:30` is 90
 
 
@@ -140,6 +141,23 @@ def _construct_int(loader: _StrictYamlLoader, node: yaml.ScalarNode) -> int:
 
 
 _StrictYamlLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def _construct_float(loader: _StrictYamlLoader, node: yaml.ScalarNode) -> float:
+    """A float as written: YAML 1.1 reads `margin: 0:05.5` (base 60) as 5.5."""
+    value = float(loader.construct_yaml_float(node))
+    text = str(node.value)
+    if ":" in text:
+        raise yaml.constructor.ConstructorError(
+            None,
+            None,
+            f"YAML 1.1 reads {text} as base 60 (a colon), the number {value}: write {value}",
+            node.start_mark,
+        )
+    return value
+
+
+_StrictYamlLoader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
 
 def _reject_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -272,6 +290,8 @@ _YAML11_STRING_NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+$")
 def _yaml11_number(value: Any, kind: str) -> str | None:
     """``min_lr: 1e-7`` reaches a number field as the string '1e-7': YAML 1.1 (PyYAML) reads an exponent as a
     number only with a dot in the mantissa and a sign in the exponent. The spelling it reads, or None."""
+    if isinstance(value, str) and _LEADING_ZERO_DECIMAL.fullmatch(value.strip()) and kind == "int_type":
+        return str(int(value.strip().replace("_", "")))  # `09`: not octal (a 9), so YAML 1.1 leaves it a string
     if not isinstance(value, str) or not _YAML11_STRING_NUMBER.match(value.strip()):
         return None
     mantissa, _, exponent = value.strip().lower().partition("e")

@@ -202,11 +202,35 @@ def test_yaml11_octal_and_base_60_integers_are_refused(tmp_path: Path, written: 
     assert str(info.value) == f"{path}: YAML error at {message}"
 
 
+def test_yaml11_leading_zero_decimals_and_base_60_floats_say_what_to_write(tmp_path: Path) -> None:
+    """`every: 09` is no octal, so YAML 1.1 reads the string '09' (the error said only "valid integer"); `margin:
+    0:05.5` is base 60, the float 5.5 (refused by the margin's range, as if the file said 5.5)."""
+    path = tmp_path / "zero.yaml"
+    path.write_text("triggers: [{kind: epoch, every: 09}]\n", encoding="utf-8")
+    with pytest.raises(
+        ScheduleError,
+        match=r"triggers\[0\]\.every: YAML 1.1 reads 09 as the string '09', not a number: "
+        r"write 9$",
+    ):
+        load_schedule(path)
+    path.write_text("triggers: [{kind: fit_start}]\nsearch: {margin: 0:05.5}\n", encoding="utf-8")
+    with pytest.raises(ScheduleError) as info:
+        load_schedule(path)
+    assert str(info.value) == (
+        f"{path}: YAML error at line 2, column 18: YAML 1.1 reads 0:05.5 as base 60 (a colon), the number 5.5: "
+        "write 5.5"
+    )
+
+
 def test_integers_yaml_reads_as_written_still_load(tmp_path: Path) -> None:
     path = tmp_path / "plain.yaml"
-    path.write_text("triggers: [{kind: epoch, at: [0, 10, 1_000]}, {kind: epoch, every: 0x10}]\n", encoding="utf-8")
-    milestones, every = load_schedule(path).triggers
-    assert (milestones.at, every.every) == ((0, 10, 1000), 16)
+    path.write_text(
+        "triggers: [{kind: epoch, at: [0, 10, 1_000]}, {kind: epoch, every: 0x10}]\nsearch: {margin: 0.05}\n",
+        encoding="utf-8",
+    )
+    schedule = load_schedule(path)
+    milestones, every = schedule.triggers
+    assert (milestones.at, every.every, schedule.search.margin) == ((0, 10, 1000), 16, 0.05)
 
 
 # -- 4: budgets ------------------------------------------------------------------------------------------------
