@@ -14,14 +14,14 @@ pass the limit, or on a closed bracket.
 
 A size is only ever used after a real probe fit: the result is the largest probed size that fit (the
 schedule's margin then cuts it, as for ``binsearch`` and ``model``). Where ``max_trials`` would run out before
-any size fit, the last trial goes no higher than where a search without prediction starts (the plan's start:
-``init_val``, or the warm start), or halfway below the smallest failure where that start failed
-(:func:`last_chance`): a prediction that errs low sends the first probes over the limit, and without that trial
-a search that ``predict: off`` ends on a small size that fit (with its "max_trials ran out" warning) ended with
-no size at all. The trial then may land below what a calibrated step would have reached; the result says it
-is unsettled, as any search cut short by ``max_trials`` does. The functions here are pure
-logic over ``trace(size)`` and ``measure(size)``; :mod:`retune.search.stage` connects them to the
-traces and probes of a run (:mod:`retune.search.predict_run`).
+any size fit, the last trial goes no higher than the smallest size a search without prediction reaches in as
+many trials (the plan's start, ``init_val`` or the warm start, halved at each failure), or halfway below the
+smallest failure where that is lower (:func:`last_chance`): a prediction that errs low sends the first probes over
+the limit, and without that trial a search that ``predict: off`` ends on a small size that fit (with its
+"max_trials ran out" warning) ended with no size at all. The trial then may land below what a calibrated step
+would have reached; the result says it is unsettled, as any search cut short by ``max_trials`` does. The
+functions here are pure logic over ``trace(size)`` and ``measure(size)``; :mod:`retune.search.stage` connects
+them to the traces and probes of a run (:mod:`retune.search.predict_run`).
 
 Example (memory ``1000 + 10 x size``, traced exactly, limit 5000: one probe):
     >>> from retune.search.largest import SearchPlan
@@ -281,21 +281,28 @@ def run_predicted_search(
 
 def last_chance(plan: SearchPlan, candidate: int, failed: int | None) -> int:
     """The size for a search's last trial where no size has fit yet: ``candidate`` (where the calibrated line or the
-    bisection goes next), but no higher than the plan's start, the size a search without prediction probes first
-    (``init_val``, or where a warm start resumes), nor, where that start is at or above ``failed`` (the smallest
-    size that failed), than halfway below it, as such a search halves a start that failed. A search that would
-    otherwise end with nothing fitting ends, where it can, on a verified size (see the module doc).
+    bisection goes next), but no higher than the smallest size a search without prediction reaches within
+    ``max_trials``: it probes the plan's start first (``init_val``, or where a warm start resumes) and halves it at
+    each failure, so it ends at ``start`` halved ``max_trials - 1`` times where nothing fits before. Nor, where
+    ``failed`` (the smallest size that failed) is at or below that, higher than half of it. Whatever size such a
+    search would have verified, memory that grows with the batch fits this one too, so a predicted search that would
+    otherwise end with nothing fitting ends on a verified size wherever the search without prediction does (see the
+    module doc); where the start fits, it ends lower than that search would (a later re-search grows it).
 
     Args:
-        plan: the search's plan: its start is the size a search without prediction probes first.
+        plan: the search's plan: its start and ``max_trials`` are those of a search without prediction.
         candidate: the size the predicted search would probe next.
         failed: the smallest size that failed so far (None: none did).
 
     >>> plan = SearchPlan(mode="binsearch", start=2, max_trials=1, margin=0.0, upper=1024)
     >>> last_chance(plan, 147, None), last_chance(plan, 1, 147), last_chance(plan, 90, 2)
     (2, 1, 1)
+    >>> last_chance(SearchPlan(mode="binsearch", start=32, max_trials=3, margin=0.0, upper=1024), 50, 100)
+    8
     """
-    safe = plan.start if failed is None or plan.start < failed else max(1, failed // 2)
+    safe = max(1, plan.start >> (plan.max_trials - 1))
+    if failed is not None and safe >= failed:
+        safe = max(1, failed // 2)
     return max(1, min(candidate, safe))
 
 

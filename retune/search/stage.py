@@ -12,7 +12,7 @@ size, or one size per length bucket) share this one path.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -231,7 +231,9 @@ def search_stage(
         raise
     if result.size is None:
         compat.set_batch_attr(trainer, pl_module, name, before)
-        raise _nothing_fits(search.what(stage), label, epoch, result, budget)
+        # a search without peaks of its own (binsearch, power) measured them in the prober, trial by trial
+        peaks = list(prober.peaks) if not any(result.peaks) and len(prober.peaks) == len(result.trials) else None
+        raise _nothing_fits(search.what(stage), label, epoch, result, budget, peaks)
     compat.set_batch_attr(trainer, pl_module, name, result.size)
     size_before, size_after, mean_batch = search.apply(job, before, result.size)
     note = search.note
@@ -356,13 +358,21 @@ def _check_cycles(trainer: Any, where: str, before: int, size: int, say: Say, *,
             )
 
 
-def _nothing_fits(what: str, label: str, epoch: int, result: SearchResult, budget: int | None) -> RetuneError:
+def _nothing_fits(
+    what: str,
+    label: str,
+    epoch: int,
+    result: SearchResult,
+    budget: int | None,
+    trial_peaks: Sequence[int | None] | None = None,
+) -> RetuneError:
     smallest = min(t.batch_size for t in result.trials) if result.trials else 1
     count = len(result.trials)
     within = "memory" if budget is None else f"memory.budget ({budget / 2**20:.4g} MiB)"
     # a probe fails by running out of memory or by measuring over the limit (a budget, a predicted search's
-    # probes): say which where the trial measured a peak
-    peaks = {t.batch_size: p for t, p in zip(result.trials, result.peaks, strict=False) if p is not None}
+    # probes): say which where the trial measured a peak (``trial_peaks``: the prober's, where the result has none)
+    measured = result.peaks if trial_peaks is None else trial_peaks
+    peaks = {t.batch_size: p for t, p in zip(result.trials, measured, strict=False) if p is not None}
     peak = peaks.get(smallest)
     how = "did not fit" if peak is None else f"peaked at {peak / 2**20:.4g} MiB, over the limit"
     return RetuneError(

@@ -60,8 +60,9 @@ def _true_max(peak: Any, limit: int, upper: int = 8192) -> int:
 def test_a_predicted_search_cut_short_by_max_trials_says_what_it_left_open() -> None:
     """A prediction 30% low needs probes to correct it; with fewer trials than that the result names the bracket
     it had (``unsettled``: the event's note), and with enough it settles on the true largest size. Here the first
-    probe fails and the cut search's last trial is its only chance to fit: it goes to the plan's start, where a
-    search without prediction starts (:func:`~retune.search.predicted.last_chance`), not the calibrated step."""
+    probe fails and the cut search's last trial is its only chance to fit: it goes where a search without
+    prediction ends after as many failures (the plan's start halved, :func:`~retune.search.predicted.last_chance`),
+    not the calibrated step."""
     limit = 3_000_000
     true_peak, traced = _curve(1e6, 1000), _curve(1e6, 700)
     prediction, full = _search(true_peak, traced, limit)
@@ -69,7 +70,8 @@ def test_a_predicted_search_cut_short_by_max_trials_says_what_it_left_open() -> 
     assert not full.trials[0].fits and full.trials[1].fits
     plan = SearchPlan("model", 2, len(full.trials) - 1, 0.0, 8192)
     cut = run_predicted_search(plan, prediction, lambda s: (true_peak(s) <= limit, true_peak(s)), limit)
-    assert cut.trials[:-1] == full.trials[:-2] and cut.trials[-1] == Trial(plan.start, True)
+    floor = max(1, plan.start >> (plan.max_trials - 1))
+    assert cut.trials[:-1] == full.trials[:-2] and cut.trials[-1] == Trial(floor, True)
     assert cut.max_fitting is not None and cut.unsettled.startswith(f"{cut.max_fitting} fit"), cut.unsettled
 
 

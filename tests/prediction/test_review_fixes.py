@@ -3,7 +3,9 @@
 * A prediction that errs low sends the first verifying probes over the limit; with a small ``search.max_trials``
   the trials ran out before any size fit and the fit failed (``RetuneError: no train batch size fits``) where
   ``predict: off`` ends on a small size that fit and warns that ``max_trials`` ran out. The last trial of a search
-  where nothing fit yet goes no higher than where a search without prediction starts.
+  where nothing fit yet goes no higher than where a search without prediction ends after as many failures (its
+  start halved at each); a second review found the first rule (no higher than the start) failed where the start
+  fails and a lower size fits.
 * A batch field that is a list of one same-shape tensor per sample (``{"images": [img] * B, "ids": (B, T)}``, a
   collate that keeps images as a list) was never resized by the fake batch (a flat prediction at every size), or,
   with two samples, read as two batches of the images' channels (a wrong fallback reason).
@@ -75,29 +77,49 @@ def test_one_trial_goes_where_a_search_without_prediction_starts_and_says_it_did
 
 
 @pytest.mark.parametrize("oom_above", [None, 600])
-def test_the_last_trial_with_nothing_fitting_goes_to_the_start_and_the_result_is_unsettled(
+def test_the_last_trial_with_nothing_fitting_goes_where_the_start_halving_ends_and_the_result_is_unsettled(
     oom_above: int | None,
 ) -> None:
     """Memory the trace misses (a fixed 1.9 MB) puts every calibrated step over the limit: 3 trials ran out on 3
     failures (2200, then steps down that still failed). A real out-of-memory error above 600 (no peak to
-    calibrate with) bisects instead, and ran out the same way. The third trial now goes to the start."""
+    calibrate with) bisects instead, and ran out the same way. The third trial now goes where a search without
+    prediction ends after three failures: the start (4) halved twice."""
     true_peak, traced = _line(2.9e6, 190), _line(1e6, 900)
-    plan = SearchPlan("binsearch", 2, 3, 0.0, 8192)
+    plan = SearchPlan("binsearch", 4, 3, 0.0, 8192)
     result = _predicted(true_peak, traced, plan, oom_above)
     assert [t.fits for t in result.trials] == [False, False, True], result.trials
-    assert result.trials[-1] == Trial(plan.start, True) and result.size == plan.start
-    assert result.max_fitting == plan.start and result.min_failing == min(t.batch_size for t in result.trials[:2])
-    assert result.unsettled == f"2 fit and {result.min_failing} failed: the sizes between were not probed"
+    assert result.trials[-1] == Trial(1, True) and result.size == 1
+    assert result.max_fitting == 1 and result.min_failing == min(t.batch_size for t in result.trials[:2])
+    assert result.unsettled == f"1 fit and {result.min_failing} failed: the sizes between were not probed"
 
 
 def test_a_start_at_or_above_the_smallest_failure_halves_that_failure() -> None:
     """A warm start (200) at or above what failed (150, known): the first trial, just below it (149), measures over
-    the limit, and the last goes halfway below that failure (74), as a search without prediction halves a start
-    that fails (the calibrated step down reached 141, which fails too: 105 is the largest that fits)."""
+    the limit, and the last goes to the start halved (100), where a search without prediction ends after one
+    failure (the calibrated step down reached 141, which fails too: 105 is the largest that fits). Where the failures
+    reach below that, it halves the smallest (a start of 400: 200 is above the 149 that failed, so 74)."""
     true_peak, traced = _line(2.98e6, 190), _line(1e6, 900)
     plan = SearchPlan("binsearch", 200, 2, 0.0, 8192, known_fail=150)
     result = _predicted(true_peak, traced, plan)
-    assert result.trials == [Trial(149, False), Trial(74, True)] and result.size == 74
+    assert result.trials == [Trial(149, False), Trial(100, True)] and result.size == 100
+    higher = _predicted(true_peak, traced, SearchPlan("binsearch", 400, 2, 0.0, 8192, known_fail=150))
+    assert higher.trials == [Trial(149, False), Trial(74, True)] and higher.size == 74
+
+
+@pytest.mark.parametrize("oom_above", [None, 25])
+@pytest.mark.parametrize("start", [3, 8, 32, 100])
+@pytest.mark.parametrize("max_trials", [1, 2, 3, 4])
+def test_wherever_a_search_without_prediction_ends_on_a_size_the_predicted_one_does(
+    oom_above: int | None, start: int, max_trials: int
+) -> None:
+    """A review's case: memory ``2.7 MB + 10 kB x size`` (30 fits) traced as a third of its slope, a start that
+    fails (32) and two trials: ``predict: off`` probes 32, then 16, and ends on 16; the predicted search probed
+    its line's size, then the start, and ended with nothing (the caller's "no size fits")."""
+    true_peak, traced = _line(2.7e6, 10_000), _line(2.7e6, 3_333)
+    plan = SearchPlan("binsearch", start, max_trials, 0.0, 8192)
+    off = run_search(plan, lambda size: (oom_above is None or size <= oom_above) and true_peak(size) <= LIMIT)
+    result = _predicted(true_peak, traced, plan, oom_above)
+    assert off.size is None or result.size is not None, (off.trials, result.trials)
 
 
 def test_where_even_the_start_fails_nothing_fits() -> None:
@@ -106,7 +128,7 @@ def test_where_even_the_start_fails_nothing_fits() -> None:
     true_peak, traced = _line(3.1e6, 100), _line(1e6, 900)  # not even one sample fits
     plan = SearchPlan("binsearch", 2, 2, 0.0, 8192)
     cut = _predicted(true_peak, traced, plan)
-    assert [t.fits for t in cut.trials] == [False, False] and cut.trials[-1] == Trial(2, False)
+    assert [t.fits for t in cut.trials] == [False, False] and cut.trials[-1] == Trial(1, False)
     assert cut.size is None and cut.max_fitting is None and not cut.unsettled
 
 
@@ -155,7 +177,8 @@ def test_a_fit_whose_prediction_errs_low_ends_on_a_size_that_fit_as_without_pred
 ) -> None:
     """The run's trace read as half what it is (a prediction that errs low, as a GRU's did by 42%): the first
     verifying probe measures over the budget. With one or two trials the fit raised ``RetuneError``; now it ends
-    on the size a search without prediction starts at, and the note says ``max_trials`` ran out."""
+    on a size that fit (``init_val`` halved once per trial before the last), and the note says ``max_trials`` ran
+    out."""
     real = predict_run.predict_largest
 
     def errs_low(trace: Callable[[int], float], limit: float, **options: Any) -> Prediction:
@@ -167,7 +190,8 @@ def test_a_fit_whose_prediction_errs_low_ends_on_a_size_that_fit_as_without_pred
     except RetuneError as error:
         pytest.fail(f"a predicted search cut short by max_trials raised: {error}")
     assert auto.prediction == "predicted" and [t.fits for t in auto.trials] == [False] * (max_trials - 1) + [True]
-    assert auto.trials[-1] == Trial(4, True) and auto.batch_size_after == 4
+    floor = 4 >> (max_trials - 1)
+    assert auto.trials[-1] == Trial(floor, True) and auto.batch_size_after == floor
     assert f"search.max_trials ({max_trials}) ran out" in auto.note, auto.note
 
 
@@ -294,3 +318,19 @@ def test_no_size_fits_says_a_probe_measured_over_the_limit_or_did_not_fit() -> N
     assert "the smallest size tried, 1, did not fit (2 trials)" in str(
         _nothing_fits("train batch size", "oom", 3, unmeasured, None)
     )
+
+
+@pytest.mark.parametrize("predict", ["off", "auto"])
+def test_no_size_fits_says_the_peak_a_binsearch_probe_measured(predict: str) -> None:
+    """``mode: binsearch`` keeps no peaks in its result (the prober has them): its "no size fits" said "did not fit"
+    of a size that peaked at several times the budget, where ``mode: model`` named the peak."""
+    schedule = {
+        "search": {"mode": "binsearch", "predict": predict, "max_trials": 3, "steps_per_trial": 1},
+        "memory": {"budget": "64KiB"},
+        "triggers": [{"kind": "fit_start"}],
+    }
+    finder = ScheduledBatchSizeFinder(schedule, verbose=False, write_report=False)
+    with warnings.catch_warnings(), pytest.raises(RetuneError) as info:
+        warnings.simplefilter("ignore")
+        quiet_trainer([finder], 1, limit_train_batches=2).fit(WideMLP())
+    assert "MiB, over the limit" in str(info.value) and "did not fit" not in str(info.value), str(info.value)
