@@ -361,12 +361,24 @@ class TrainBuckets:
         """Why this train loader cannot be bucketed, or None."""
         if isinstance(loader, (Mapping, list, tuple)):
             return "train_dataloader() returns several loaders"
+        trainer = self._trainer
+        if trainer is not None and getattr(trainer, "overfit_batches", None):
+            # Lightning trains the same first batches each epoch, in order, from a loader it rebuilds itself
+            return "overfit_batches trains the same first batches of the loader in order every epoch"
         reason = why_not_reorderable(loader)
         if reason is None and sampler_that_chooses(loader, self._world_size, self._rank) is not None:
             # the sampler's own draws are bucketed each epoch (DrawnBucketBatchSampler), where they can be known
             source = draws_source(loader, self._world_size, self._rank)
             every_rank = isinstance(source, EveryRankDraws)  # the whole epoch's draws on every rank
             reason = why_draws_unknown(source, self._world_size, sharded_by_lightning=self._shared_out or every_rank)
+        elif reason is None and self._world_size > 1 and not self._shared_out:
+            # each rank trains its loader's whole pass, where buckets plan one pass shared out across the ranks
+            reason = (
+                "with use_distributed_sampler=False (pytorch-lightning 1.9: replace_sampler_ddp=False) each rank "
+                "trains its own loader's whole pass, which buckets would share out across the ranks (each rank would "
+                f"train 1/{self._world_size} of its samples); give the loader a DistributedSampler of your own to "
+                "bucket, or let Lightning shard it"
+            )
         return reason
 
     def prepare(self, loader: Any, say: Any, bounds: Sequence[int] | None = None) -> Buckets | None:
@@ -452,7 +464,7 @@ class TrainBuckets:
     @property
     def _drop_last(self) -> bool:
         """Whether the user's train loader drops its last partial batch (every step then holds a full size)."""
-        return bool(getattr(self._source, "drop_last", False))
+        return _drops_last(self._source) if self._source is not None else False
 
     def _convert(self, loader: Any) -> Any:
         """What Lightning trains on: the user's loader with the buckets' batch sampler, when sizes are known."""
@@ -482,7 +494,7 @@ class TrainBuckets:
                 drawn=previous.drawn_for(drawn_epoch, compat.length_of(loader.dataset))
                 if isinstance(previous, DrawnBucketBatchSampler)
                 else None,
-                drop_last=bool(loader.drop_last),
+                drop_last=_drops_last(loader),
                 start=compat.resumed_batches(trainer) if trainer is not None else 0,  # mid-epoch resume: continue
                 world_size=self._world_size,
                 rank=self._rank,
@@ -499,7 +511,7 @@ class TrainBuckets:
             seed=seed,
             epoch=epoch,
             shuffle=is_shuffled(loader),
-            drop_last=bool(loader.drop_last),
+            drop_last=_drops_last(loader),
             world_size=self._world_size,
             rank=self._rank,
             start=compat.resumed_batches(trainer) if trainer is not None else 0,  # mid-epoch resume: continue
@@ -929,6 +941,13 @@ class _Broadcast:
 
     def __call__(self, obj: Any) -> Any:
         return compat.broadcast_object(self.trainer, obj)
+
+
+def _drops_last(loader: Any) -> bool:
+    """Whether ``loader`` drops its last partial batch: its batch sampler's ``drop_last`` (a loader given
+    ``batch_sampler=BatchSampler(..., drop_last=True)`` says ``drop_last=False`` itself), else its own."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    return bool(getattr(batch_sampler, "drop_last", getattr(loader, "drop_last", False)))
 
 
 def _indices_fit(buckets: Buckets, loader: DataLoader[Any]) -> bool:

@@ -18,6 +18,7 @@ from retune.probing.sample_sizes import scan_sizes
 from tests.helpers import bucket_data
 from tests.helpers.bucket_data import BucketModel, IndexedTokens, long_tail_lengths, tokens
 from tests.helpers.lightning_ns import seed
+from tests.helpers.retune_warnings import retune_warnings
 
 N = 400
 
@@ -214,3 +215,50 @@ def test_a_size_that_failed_in_a_real_step_stays_out_of_reach_at_later_milestone
             assert event.bucket_sizes[bucket] < size, shown
     assert failed, shown  # a real step ran out of memory
     assert any(e.trigger == "epoch" for e in finder.history), shown
+
+
+class _TrainedIndices(bucket_data.pl.Callback):  # type: ignore[misc,name-defined]
+    def __init__(self) -> None:
+        self.seen: dict[int, list[int]] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.setdefault(int(trainer.current_epoch), []).extend(batch[2].tolist())
+
+
+def _buckets_finder() -> ScheduledBatchSizeFinder:
+    return ScheduledBatchSizeFinder(bucket_data.schedule(), sample_size=tokens, verbose=False, write_report=False)
+
+
+def test_overfit_batches_trains_its_first_batches_with_one_size() -> None:
+    """``overfit_batches=3`` trains the same first 3 batches every epoch: the reload after a bucketed search crashed
+    (2.x: Lightning cannot inject its sampler into the buckets' batch sampler; 1.9: no ``batch_size``). Buckets
+    step aside with a warning, and every epoch trains the same first batches at the size found."""
+    seed(0)
+    model = BucketModel(IndexedTokens(long_tail_lengths(200)), batch_size=8)
+    seen, finder = _TrainedIndices(), _buckets_finder()
+    with retune_warnings() as said:
+        bucket_data.trainer([seen, finder], epochs=2, overfit_batches=3).fit(model)
+    assert finder.bucket_sizes == [] and any("overfit_batches" in m for m in said), said
+    size = finder.batch_size
+    assert size is not None and seen.seen[0] == seen.seen[1] == list(range(3 * size))
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_batch_sampler_that_drops_its_last_batch_is_read_as_dropping(explicit: bool) -> None:
+    """``DataLoader(batch_sampler=BatchSampler(sampler, 8, drop_last=True))`` says ``drop_last=False`` itself: the
+    buckets trained every sample (207 of 207), where the same loader written ``drop_last=True`` dropped a partial
+    batch's samples (206)."""
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    class Dropping(BucketModel):
+        def train_dataloader(self) -> DataLoader[Any]:
+            if explicit:
+                sampler = BatchSampler(RandomSampler(self.data), 8, drop_last=True)
+                return DataLoader(self.data, batch_sampler=sampler, collate_fn=bucket_data.pad_collate)
+            return DataLoader(self.data, batch_size=8, shuffle=True, drop_last=True, collate_fn=bucket_data.pad_collate)
+
+    seed(0)
+    seen, finder = _TrainedIndices(), _buckets_finder()
+    with retune_warnings():
+        bucket_data.trainer([seen, finder], epochs=1).fit(Dropping(IndexedTokens(long_tail_lengths(207))))
+    assert finder.bucket_sizes and len(seen.seen[0]) < 207 and len(set(seen.seen[0])) == len(seen.seen[0])

@@ -10,6 +10,9 @@ Run by tests/distributed/test_ddp_review.py in a subprocess with a timeout.
 * ``uneven OUT fixed|buckets``: ``use_distributed_sampler=False`` with a dataset of each rank's own, 40 samples on
   rank 0 and 24 on rank 1, one batch per epoch; a fit-start search in a 1MB budget (``batching: buckets``: the
   ranks' buckets differ too).
+* ``own_pass OUT``: ``use_distributed_sampler=False`` with the same 64 variable-length samples on both ranks and
+  ``batching: buckets``: each rank trains its loader's whole pass, as without retune (buckets shared one pass out
+  across the ranks: 32 of 64 each).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +154,33 @@ def uneven(out: Path, batching: str) -> None:
     write(out, trainer, finder, error, bucket_sizes=finder.bucket_sizes)
 
 
+class Trained(pl.Callback):  # type: ignore[misc,name-defined]
+    """The sample indices each epoch trained (``bucket_data``'s batches carry them third)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, list[int]] = {}
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.setdefault(trainer.current_epoch, []).extend(int(i) for i in batch[2])
+
+
+def own_pass(out: Path) -> None:
+    model = bucket_data.BucketModel(bucket_data.IndexedTokens(bucket_data.long_tail_lengths(64)), batch_size=8)
+    schedule = bucket_data.schedule()
+    schedule["triggers"] = [{"kind": "fit_start"}]
+    finder = ScheduledBatchSizeFinder(schedule, sample_size=bucket_data.tokens, verbose=False, write_report=False)
+    trained = Trained()
+    own_data = {"replace_sampler_ddp" if LEGACY else "use_distributed_sampler": False}
+    trainer = ddp_trainer(
+        callbacks=[trained, finder], **own_data, max_epochs=2, limit_val_batches=0, num_sanity_val_steps=0
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = fit(trainer, model)
+    said = [str(w.message) for w in caught if "search.batching: buckets" in str(w.message)]
+    write(out, trainer, finder, error, seen=trained.seen, said=said, bucket_sizes=finder.bucket_sizes)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -158,6 +189,8 @@ def main() -> None:
         oom(out, None)
     elif what == "oom_resume":
         oom(out, sys.argv[3])
+    elif what == "own_pass":
+        own_pass(out)
     else:
         uneven(out, sys.argv[3])
 

@@ -49,6 +49,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "save": ["oom_save", "{out}"],
         "uneven_fixed": ["uneven", "{out}", "fixed"],
         "uneven_buckets": ["uneven", "{out}", "buckets"],
+        "own_pass": ["own_pass", "{out}"],
     }
     return _load(run_rank_scripts(runs, SCRIPT, tmp_path_factory.mktemp("review"), TIMEOUT_S))
 
@@ -117,6 +118,18 @@ def test_ranks_with_epochs_of_different_lengths_agree_on_the_cap(saved: dict[str
     assert event["batch_size_after"] == 24 and max(t[0] for t in event["trials"]) == 24
     # buckets: the ranks group different samples, so both train one size (batching: fixed) instead of diverging
     assert rank0["bucket_sizes"] == rank1["bucket_sizes"] == []
+
+
+def test_each_rank_trains_its_own_loaders_whole_pass_without_lightnings_sampler(saved: dict[str, Any]) -> None:
+    """``use_distributed_sampler=False`` and a plain shuffled loader: Lightning trains each rank's whole loader, and
+    buckets planned one pass shared out across the ranks (each trained 32 of its 64 samples, without a word). Now
+    they say why and train one batch size, on every sample of each rank's pass."""
+    rank0, rank1 = _ranks(saved["own_pass"])
+    for rank in (rank0, rank1):
+        assert sorted(rank["seen"]) == ["0", "1"]  # JSON keys
+        assert all(sorted(rank["seen"][epoch]) == list(range(64)) for epoch in ("0", "1")), rank["seen"]
+        assert rank["bucket_sizes"] == []
+    assert any("use_distributed_sampler=False" in m for m in rank0["said"]), rank0["said"]  # rank zero warns
 
 
 class _Tiny(pl.LightningModule):  # type: ignore[misc,name-defined]
