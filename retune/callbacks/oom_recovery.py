@@ -138,6 +138,7 @@ class OomRecovery:
             module=pl_module,
             warn=lambda message: self._say(message, warn=True),
             split_key=None if self.buckets is None else lambda: self._bucket_now(trainer),
+            asked=lambda: self._asked(trainer, pl_module, "train"),
         )
         if self.trigger.check_exactness:  # before the first batch trains: can a recovery be exact for this loss?
             recovery.first_check = self._exactness_check(trainer, pl_module, recovery.loss_reduction)
@@ -220,11 +221,23 @@ class OomRecovery:
                 on_recovered=lambda done: self.recovered(trainer, pl_module, stage, done),
                 where=lambda: f"{stage}, epoch {trainer.current_epoch}, global step {trainer.global_step}",
                 module=pl_module,
+                asked=lambda: self._asked(trainer, pl_module, stage),
             )
             self.eval = recovery
             return recovery
 
         self._eval_undo = compat.wrap_eval_step(pl_module, stage, wrap)
+
+    def _asked(self, trainer: Any, pl_module: Any, stage: str) -> int | None:
+        """The batch size ``stage``'s loader was asked for: its attribute's value (None where it has none, or under
+        buckets, whose batches hold their bucket's size)."""
+        if stage == "train" and self.buckets is not None:
+            return None
+        name = self._attr(trainer, pl_module, stage)
+        if not compat.has_batch_attr(trainer, pl_module, name):
+            return None
+        size = compat.get_batch_attr(trainer, pl_module, name)
+        return size if isinstance(size, int) else None
 
     def unguard_eval(self) -> None:
         if self._eval_undo is not None:

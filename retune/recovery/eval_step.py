@@ -8,7 +8,6 @@ runs again as micro-batches, their outputs are joined and their logged values we
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,7 @@ from retune.errors import RetuneError
 from retune.oom import clear_device_cache, forget_exception, is_oom_error
 from retune.recovery.micro_batches import KeptSplit, Recovered, all_single, samples_in
 from retune.recovery.side_effects import SideEffects
-from retune.recovery.split import Readings, SplitError, SplitFn, batch_length, join_outputs, pieces_for, split_batch
+from retune.recovery.split import Readings, SplitFn, batch_length, join_outputs, pieces_for, split_batch
 
 
 class EvalStepRecovery(KeptSplit):
@@ -40,6 +39,7 @@ class EvalStepRecovery(KeptSplit):
         save_logs: Callable[[], Callable[[], None]] = lambda: lambda: None,
         journal_logs: Callable[[], tuple[Callable[[], None], Callable[[], None]]] | None = None,
         module: torch.nn.Module | None = None,
+        asked: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.step = step
         self.module = module
@@ -48,6 +48,8 @@ class EvalStepRecovery(KeptSplit):
         self.journal_logs = journal_logs
         self.logging = logging
         self.split_fn = split_fn
+        self.asked = asked
+        """The batch size the loader was asked for (None: not known), read with the loop's first batch."""
         self.readings = Readings()
         """How the loop's lists of same-shape tensors read, as its batches tell (read from the first batch, so a
         last batch that reads both ways is split as the first was: :class:`~retune.recovery.split.Readings`)."""
@@ -60,11 +62,10 @@ class EvalStepRecovery(KeptSplit):
     def __call__(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         if self.split_fn is None and not self._read_first:
             self._read_first = True
-            with contextlib.suppress(SplitError):  # a batch that cannot be split says so where it runs out of memory
-                batch_length(batch, self.readings)  # the first batch's readings, before any can be ambiguous
+            self.readings.note_first(batch, self.asked())  # before any batch can read both ways
         failed_in = ""
         known = self.max_size is not None and self.split_fn is None
-        if self.pieces == 1 and (not known or (samples_in(batch) or 0) <= (self.max_size or 0)):
+        if self.pieces == 1 and (not known or (samples_in(batch, self.readings) or 0) <= (self.max_size or 0)):
             rollback_logs, stop_journal = self.journal_logs() if self.journal_logs is not None else (_none, _none)
             try:
                 return self.step(batch, *args, **kwargs)

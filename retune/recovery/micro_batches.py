@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from retune import messages
 from retune.recovery.loss_items import ItemsFn, count_items, resolve_items_fn
-from retune.recovery.split import batch_length
+from retune.recovery.split import Readings, batch_length
 
 LossReduction = Literal["mean", "sum", "token_mean"]
 
@@ -60,10 +60,11 @@ class KeptSplit:
             self.on_recovered(Recovered(total or 0, len(micro), failed_in, largest))
 
 
-def samples_in(micro: Any) -> int | None:
-    """Samples in a micro-batch: its tensors' shared first dimension, else ``len()``, else unknown."""
+def samples_in(micro: Any, readings: Readings | None = None) -> int | None:
+    """Samples in a micro-batch (or a batch, read with the run's ``readings``): its tensors' shared first dimension,
+    else ``len()``, else unknown."""
     try:
-        found = batch_length(micro)
+        found = batch_length(micro, readings)
     except TypeError:
         found = None
     if found is None:

@@ -4,7 +4,8 @@ Pure logic over the containers batches are made of, free of Lightning: tensors, 
 named tuples, dicts and other mappings (Hugging Face ``BatchEncoding`` included), dataclasses,
 and lists of per-sample Python values (strings, file names) or of one same-shape tensor per sample
 (:func:`per_sample_tensors`: a collate that keeps images as a list) whose length is the batch's, and the
-dataset's samples in a list as they are (:func:`samples_as_listed`: ``collate_fn=lambda b: b``). Values
+dataset's samples in a list as they are (:func:`samples_as_listed`: ``collate_fn=lambda b: b``) where a run's
+:class:`Readings` say its first batch held them. Values
 without a batch dimension (a scalar tensor, an int, ``None``, a string) are given unchanged to
 every micro-batch. A batch type retune does not know is not guessed at: :func:`split_batch`
 raises :class:`SplitError` naming the type, and ``ScheduledBatchSizeFinder(split_batch=fn)``
@@ -19,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -31,6 +33,12 @@ SplitFn = Callable[[Any, int], Sequence[Any]]
 
 class SplitError(TypeError):
     """A batch that cannot be split along its batch dimension by the built-in rules."""
+
+
+class SampleList(list):  # type: ignore[type-arg]
+    """A micro-batch cut from a list of samples (:func:`samples_as_listed`): a plain ``list`` to the user's step,
+    whose length is its samples wherever retune reads it (weights, joins, sizes), without the run's
+    :class:`Readings`."""
 
 
 @dataclasses.dataclass
@@ -46,6 +54,24 @@ class Readings:
     """
 
     per_sample: dict[str, bool] = dataclasses.field(default_factory=dict)
+    """Each list's reading by its place in the batch: True, one tensor per sample; False, one batch per item."""
+    listed: bool | None = None
+    """Whether the batches are the dataset's samples in a list (``collate_fn=lambda b: b``), as the first batch and
+    the size the loader was asked for told (:meth:`note_first`); None: not known, read as batches."""
+
+    def note_first(self, batch: Any, asked: int | None) -> None:
+        """Read the run's first batch, which the loader made at ``asked`` samples (None: not known): whether the
+        batches are lists of samples (:func:`samples_as_listed`), and its lists of same-shape tensors.
+
+        Args:
+            batch: the run's first batch (a training step's, or an evaluation loop's).
+            asked: the batch size the loader was asked for (its attribute); None: not known.
+        """
+        if self.listed is None:
+            self.listed = samples_as_listed(batch, asked)
+        if not self.listed:
+            with contextlib.suppress(SplitError):  # a batch that cannot be split says so where it is split
+                batch_length(batch, self)
 
 
 def piece_sizes(total: int, pieces: int) -> list[int]:
@@ -98,7 +124,7 @@ def batch_length(batch: Any, readings: Readings | None = None) -> int | None:
         readings: where given, what this batch tells of its lists of same-shape tensors is kept there, and a list
             it leaves open reads as kept (:class:`Readings`).
     """
-    if samples_as_listed(batch):
+    if isinstance(batch, SampleList) or (readings is not None and readings.listed and _one_layout(batch)):
         return len(batch)
     lengths: dict[int, str] = {}
     per_sample: dict[int, str] = {}
@@ -131,31 +157,48 @@ def batch_length(batch: Any, readings: Readings | None = None) -> int | None:
     return total
 
 
-def samples_as_listed(batch: Any) -> bool:
-    """Whether ``batch`` is the dataset's samples in a list, unstacked (``collate_fn=lambda b: b`` over
-    ``(image, label)`` or ``{"input_ids": ..., "label": 3}`` samples): its length is then the batch's, and a
-    micro-batch is a slice of the list.
+def samples_as_listed(batch: Any, asked: int | None) -> bool:
+    """Whether ``batch``, made by a loader asked for ``asked`` samples, is those samples in a list, unstacked
+    (``collate_fn=lambda b: b`` over ``(image, label)`` or ``{"input_ids": ..., "labels": ...}`` samples): its
+    length is then the batch's, and a micro-batch is a slice of the list.
 
-    Read as samples: a list or tuple (not a named tuple) of containers of one structure (the same type, keys or
-    length) where an item holds a value that only a sample has, a number, a string or a tensor without a
-    dimension, as its own field (a collated batch holds such values only in per-sample lists). Without that
-    sign the list is read as a container of batches (``[x_pair, y_pair]``, one batch per loader), as before:
-    samples whose every field is a tensor of one length cannot be told from that, so give such a batch
-    ``split_batch=fn`` (``lambda b, n: [b[i::n] for i in range(n)]`` keeps no order; slice it) or stack it.
+    The shape alone does not tell: a list of one batch per loader (``[{"x": ..., "n_tokens": 12}, {...}]``) is a
+    list of containers of one layout too. So the list must hold ``asked`` items where the other reading, its
+    tensors' rows, says another number (or cannot say: samples of different lengths), and, where its items are
+    tuples as long as the list, hold fields of several kinds (a ``tuple(zip(*samples))`` of as many fields as
+    samples is one tuple of images and one of labels). A run decides this once, on its first batch
+    (:meth:`Readings.note_first`); a batch that could be either reads as batches, as before.
+
+    Args:
+        batch: a batch as the loader yields it.
+        asked: the batch size the loader was asked for (None: not known, so not a list of samples).
 
     >>> import torch
     >>> samples = [(torch.ones(3, 8), 1) for _ in range(5)]
-    >>> samples_as_listed(samples), batch_length(samples)
-    (True, 5)
-    >>> samples_as_listed([torch.ones(5, 8), torch.ones(5)])  # [x, y]: a batch split into fields
-    False
+    >>> samples_as_listed(samples, 5), samples_as_listed(samples, 8), samples_as_listed(samples, None)
+    (True, False, False)
+    >>> loaders = [{"x": torch.ones(8, 4), "n_tokens": 12}, {"x": torch.ones(8, 4), "n_tokens": 9}]
+    >>> samples_as_listed(loaders, 8), samples_as_listed([torch.ones(5, 8), torch.ones(5)], 2)
+    (False, False)
     """
-    if not isinstance(batch, (list, tuple)) or hasattr(batch, "_fields") or not batch:
+    if asked is None or not _one_layout(batch) or len(batch) != asked:
         return False
+    first = batch[0]
+    if isinstance(first, (list, tuple)) and len(first) == len(batch) and not _holds_sample_value(first):
+        return False
+    try:
+        rows = batch_length(batch)
+    except SplitError:
+        return True  # its tensors disagree on their rows: samples of different lengths
+    return rows != asked
+
+
+def _one_layout(batch: Any) -> bool:
+    """A list of containers of one layout: a list of samples or of batches."""
+    if not isinstance(batch, list) or not batch:
+        return False  # a tuple is a batch's fields (``collate_fn=lambda b: b`` makes a list)
     layout = _layout(batch[0])
-    if layout is None or any(_layout(item) != layout for item in batch[1:]):
-        return False
-    return any(_holds_sample_value(item) for item in batch)
+    return layout is not None and all(_layout(item) == layout for item in batch[1:])
 
 
 def _layout(item: Any) -> tuple[Any, ...] | None:
@@ -369,8 +412,8 @@ def split_batch(
 def _slice(
     value: Any, start: int, stop: int, total: int, path: str, readings: Readings | None, top: bool = False
 ) -> Any:
-    if top and samples_as_listed(value):
-        return type(value)(value[start:stop])  # the samples as they are: each piece holds its own
+    if top and readings is not None and readings.listed and _one_layout(value):
+        return SampleList(value[start:stop])  # the samples as they are: each piece holds its own
     if isinstance(value, torch.Tensor):
         return value[start:stop] if value.dim() > 0 and value.shape[0] == total else value
     if isinstance(value, (str, bytes)) or value is None or isinstance(value, (int, float, bool)):
@@ -503,6 +546,7 @@ def join_detached(outputs: Sequence[Any], sizes: Sequence[int | None] | None = N
 
 __all__ = [
     "Readings",
+    "SampleList",
     "SplitError",
     "SplitFn",
     "batch_length",

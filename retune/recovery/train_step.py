@@ -84,6 +84,7 @@ class TrainStepRecovery(KeptSplit):
         warn: Callable[[str], None] | None = None,
         split_key: Callable[[], Hashable] | None = None,
         first_check: Callable[[StepParts], None] | None = None,
+        asked: Callable[[], int | None] = lambda: None,
     ) -> None:
         self._params = params
         self.first_check = first_check
@@ -94,6 +95,9 @@ class TrainStepRecovery(KeptSplit):
         """With ``split_key``: each key's kept split ``(max_size, pieces)``; ``max_size``/``pieces`` hold the
         split of the batch being trained, so an OOM in one bucket does not cut every other bucket's batches."""
         self.split_fn = split_fn
+        self.asked = asked
+        """The batch size the train loader was asked for now (None: not known): with the first batch, it tells a
+        list of samples (``collate_fn=lambda b: b``) from a list of batches (:meth:`Readings.note_first`)."""
         self.readings = Readings()
         """How the batches' lists of same-shape tensors read (per sample or batches), as the batches that tell say:
         a batch that reads both ways (a last batch of three beside an ``(ids, mask, type_ids)`` triple) is split as
@@ -201,6 +205,7 @@ class TrainStepRecovery(KeptSplit):
         out in the message, instead of at the first OOM hours into the run.
         """
         if self.split_fn is None:
+            self.readings.note_first(batch, self.asked())
             try:
                 total = batch_length(batch, self.readings)
                 if total is None:
@@ -229,7 +234,7 @@ class TrainStepRecovery(KeptSplit):
 
     def _kept_split(self, batch: Any) -> tuple[int | None, int] | None:
         """``(max_size, pieces)`` for a batch the kept split cuts up front, None for one that runs whole."""
-        total = samples_in(batch) if self.max_size is not None else None
+        total = samples_in(batch, self.readings) if self.max_size is not None else None
         if total is not None and self.max_size is not None:
             return (self.max_size, 0) if total > self.max_size else None
         return (None, self.pieces) if self.pieces > 1 else None
@@ -245,7 +250,7 @@ class TrainStepRecovery(KeptSplit):
         zero_done: bool,
         failed_in: str,
     ) -> Any:
-        total = batch_length(step.batch, self.readings) if self.split_fn is None else samples_in(step.batch)
+        total = batch_length(step.batch, self.readings) if self.split_fn is None else samples_in(step.batch, None)
         if total is None and self.split_fn is None:
             split_batch(step.batch, 2)  # raises SplitError naming the type and the way out
         min_size = self._min_size()

@@ -52,7 +52,7 @@ from retune.distributed.fsdp2 import ShardAccount, compute_dtypes, gradient_shar
 from retune.memory import resident_bytes
 from retune.prediction.reuse import TraceMemo, Unkeyable, memo_for, trace_key
 from retune.probing.prober import Prober
-from retune.recovery.split import SplitError, batch_length, samples_as_listed
+from retune.recovery.split import SplitError, batch_length
 from retune.search.largest import SearchPlan
 from retune.search.predicted import PredictedResult, Prediction, predict_largest, run_predicted_search
 
@@ -466,11 +466,12 @@ def _not_batch_first(batch: Any, size: int) -> str | None:
         length = batch_length(batch)
     except SplitError:
         return None  # the trace says why (an ambiguous batch dimension)
-    if samples_as_listed(batch) or (length is not None and length > size and _samples_as_they_are(batch, size)):
+    if length is not None and length > size and _samples_as_they_are(batch, size):
         return (
-            f"the batch is a {type(batch).__name__} of {len(batch)} samples as the dataset returns them (a "
-            "collate_fn such as `lambda b: b`), not tensors with a batch dimension; a prediction fakes the batch "
-            "dimension: stack the samples in the collate_fn to predict"
+            f"the batch is a {type(batch).__name__} of {size} samples as the dataset returns them (a collate_fn "
+            f"such as `lambda b: b`), not tensors with a batch dimension ({length}, its tensors' first dimension, "
+            "is a sample's own); a prediction fakes the batch dimension: stack the samples in the collate_fn to "
+            "predict"
         )
     if length is not None and length > size:
         return (

@@ -128,26 +128,39 @@ def test_join_keeps_per_batch_statistics_and_ragged_predictions_whole() -> None:
 def test_a_list_of_samples_as_the_dataset_returns_them_splits_into_samples() -> None:
     """``collate_fn=lambda b: b``: a list of ``(image, label)`` samples of one shape was read as a batch of
     ``image.shape[0]`` (3, the channels) and split along each sample's channels, every micro-batch holding every
-    sample; the samples are the batch."""
+    sample; the samples are the batch where the run's first batch held as many as the loader was asked for."""
     samples = [(torch.full((3, 4, 4), float(i)), i) for i in range(5)]
-    assert samples_as_listed(samples) and batch_length(samples) == 5
-    pieces = split_batch(samples, 2)
-    assert [len(p) for p in pieces] == [3, 2] and all(type(p) is list for p in pieces)
+    readings = Readings()
+    readings.note_first(samples, 5)
+    assert readings.listed and batch_length(samples, readings) == 5
+    pieces = split_batch(samples, 2, readings=readings)
+    assert [len(p) for p in pieces] == [3, 2] and all(isinstance(p, list) for p in pieces)
     assert [label for p in pieces for _, label in p] == [0, 1, 2, 3, 4]
     assert all(image.shape == (3, 4, 4) for p in pieces for image, _ in p)
-    records = [{"input_ids": torch.ones(7, dtype=torch.long), "label": torch.tensor(i)} for i in range(4)]
-    assert batch_length(records) == 4 and [len(p) for p in split_batch(records, 4)] == [1, 1, 1, 1]
+    assert [len(p) for p in split_batch(samples[:3], 3, readings=readings)] == [1, 1, 1]  # a shorter last batch
+    records = [{"input_ids": torch.ones(7, dtype=torch.long), "labels": torch.ones(7)} for i in range(4)]
+    fixed_length = Readings()
+    fixed_length.note_first(records, 4)  # every field a tensor of one length: 7 rows where 4 were asked for
+    assert [len(p) for p in split_batch(records, 4, readings=fixed_length)] == [1, 1, 1, 1]
 
 
 def test_lists_that_are_batches_are_not_read_as_samples() -> None:
     """What a collate makes stays a batch: ``[x, y]`` (default_collate of tuples), a ``tuple(zip(*samples))`` of
-    images and labels, per-sample strings of a text pair, two loaders' ``[x, y]`` batches."""
+    images and labels (also of two samples, two fields), per-sample strings of a text pair, one batch per loader
+    (``CombinedLoader``'s list, each with a count or a task name: a review found those read as two samples)."""
     x, y = torch.zeros(6, 3), torch.zeros(6, dtype=torch.long)
-    assert not samples_as_listed([x, y]) and batch_length([x, y]) == 6
-    zipped = (tuple(torch.zeros(3, 8, 8) for _ in range(4)), (1, 0, 1, 0))
-    assert not samples_as_listed(zipped)
-    assert not samples_as_listed([["a", "b", "c"], ["d", "e", "f"]])
-    assert not samples_as_listed([[x, y], [x, y]]) and batch_length([[x, y], [x, y]]) == 6
+    assert not samples_as_listed([x, y], 6) and batch_length([x, y]) == 6
+    zipped = (tuple(torch.zeros(3, 8, 8) for _ in range(2)), (1, 0))
+    assert not samples_as_listed(zipped, 2) and not samples_as_listed((zipped[0] * 2, (1, 0, 1, 0)), 4)
+    assert not samples_as_listed([["a", "b", "c"], ["d", "e", "f"]], 3)
+    assert not samples_as_listed([[x, y, "task_a"], [x, y, "task_b"]], 6)
+    loaders = [{"x": x, "y": y, "n_tokens": 12}, {"x": x, "y": y, "n_tokens": 9}]
+    readings = Readings()
+    readings.note_first(loaders, 6)
+    assert not readings.listed and batch_length(loaders, readings) == 6
+    assert [[len(b["y"]) for b in p] for p in split_batch(loaders, 2, readings=readings)] == [[3, 3], [3, 3]]
+    two = [{"x": x[:2], "y": y[:2], "task": "a"}, {"x": x[:2], "y": y[:2], "task": "b"}]
+    assert not samples_as_listed(two, 2)  # two loaders' batches of 2 where 2 were asked for: read as batches
 
 
 def test_a_batch_that_reads_both_ways_is_split_as_the_run_read_its_first_batch() -> None:
