@@ -97,6 +97,7 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         self._entry: str | None = None  # the entry point (fit, validate, test, predict) of the current setup
         self._fit_started = False  # this fit's on_fit_start ran (a strategy may restore callbacks after it)
         self._fit_ran = False  # some fit's on_fit_start ran: a checkpoint written before one has nothing to resume
+        self._restored_in_entry = False  # the checkpoint marked resumed was read inside a fit/validate/... entry
         self._attached: tuple[weakref.ref[Any], weakref.ref[Any]] | None = None  # the setup's trainer and module
 
     def __getstate__(self) -> dict[str, Any]:
@@ -118,8 +119,10 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         ``test`` or ``predict`` leaves a fit's state alone (:meth:`_load_common_state`)."""
         self._entry = stage
         self._fit_started = False
-        # a checkpoint read before an earlier fit's on_fit_start (the tuner's, which exits there) is not this fit's
-        self._restored = False
+        if self._restored_in_entry:
+            # read inside an earlier entry that ended before its on_fit_start (the tuner's checkpoint, read back in
+            # a fit it exits there): not this fit's. One loaded by hand between entries is, as before.
+            self._restored = False
         self._attached = (weakref.ref(trainer), weakref.ref(pl_module))
         self._is_global_zero = bool(getattr(trainer, "is_global_zero", True))
         messages.set_rank(int(getattr(trainer, "global_rank", 0)))
@@ -216,6 +219,7 @@ class RetuneCallback(*_BASES):  # type: ignore[misc]
         load_trigger_states(self.triggers, state_dict.get("triggers", []))
         self._lr_values = {str(k): float(v) for k, v in state_dict.get("lr_attributes", {}).items()}
         self._restored = True
+        self._restored_in_entry = self._entry is not None
         self._fit_ran = True  # the checkpoint's fit ran: one written from this state again is resumed too
         return True
 

@@ -132,3 +132,15 @@ def test_resuming_without_the_val_stage_keeps_the_val_size_off_the_train_attribu
     seen = FirstLoader(second)
     make_trainer(seen, second, max_epochs=2, limit_val_batches=1).fit(model, ckpt_path=tmp_path / "last.ckpt")
     assert seen.first == model.batch_size == train and model.eval_bs == START
+
+
+def test_a_state_loaded_by_hand_before_a_fit_is_resumed(tmp_path: Path) -> None:
+    """``finder.load_state_dict(state)`` then ``fit()`` without ``ckpt_path`` goes on from that state (a first fix of
+    the tuner's stale resume, clearing the mark at every setup, dropped it: a second fit-start search ran)."""
+    first, _ = _checkpointed(tmp_path)
+    second = ScheduledBatchSizeFinder(SCHEDULE, verbose=False, write_report=False)
+    second.load_state_dict(first.state_dict())
+    model = C.AttrModel()
+    seen = FirstLoader(second)
+    make_trainer(seen, second, max_epochs=1).fit(model)
+    assert second.history == first.history and seen.first == first.batch_size
