@@ -371,7 +371,12 @@ class TrainBuckets:
             source = draws_source(loader, self._world_size, self._rank)
             every_rank = isinstance(source, EveryRankDraws)  # the whole epoch's draws on every rank
             reason = why_draws_unknown(source, self._world_size, sharded_by_lightning=self._shared_out or every_rank)
-        elif reason is None and self._world_size > 1 and not self._shared_out:
+        elif (
+            reason is None
+            and self._world_size > 1
+            and not self._shared_out
+            and not isinstance(getattr(loader, "sampler", None), DistributedSampler)  # the user's own sharding
+        ):
             # each rank trains its loader's whole pass, where buckets plan one pass shared out across the ranks
             reason = (
                 "with use_distributed_sampler=False (pytorch-lightning 1.9: replace_sampler_ddp=False) each rank "

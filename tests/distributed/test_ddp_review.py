@@ -171,3 +171,21 @@ def test_another_ranks_bucket_failure_is_kept_for_its_bucket_and_checkpointed() 
     assert event.note.startswith("rank 1: out of memory in backward on a batch of 32") and "bucket 2" in event.note
     recovery.new_epoch()  # the next epoch starts whole on every rank
     assert recovery.state_dict()["oom_splits"] == []
+
+
+def test_only_a_loader_lightning_would_have_sharded_steps_aside_without_lightnings_sampler() -> None:
+    """Under ``use_distributed_sampler=False`` a plain loader falls back (each rank trains its whole pass); a
+    ``DistributedSampler`` of the user's own is the run's sharding and stays bucketed, as do plain loaders where
+    Lightning shards them or in one process (no processes: the buckets' own check)."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    data = list(range(64))
+    buckets = TrainBuckets(4, None)
+    buckets._world_size, buckets._rank, buckets._shared_out = 2, 0, False
+    own = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, num_replicas=2, rank=0, shuffle=True))
+    assert buckets.why_not(own) is None
+    assert "use_distributed_sampler=False" in (buckets.why_not(DataLoader(data, batch_size=8, shuffle=True)) or "")
+    buckets._shared_out = True
+    assert buckets.why_not(DataLoader(data, batch_size=8, shuffle=True)) is None
+    buckets._world_size, buckets._shared_out = 1, False
+    assert buckets.why_not(DataLoader(data, batch_size=8, shuffle=True)) is None
