@@ -228,16 +228,19 @@ class OomRecovery:
 
         self._eval_undo = compat.wrap_eval_step(pl_module, stage, wrap)
 
+    def _attr_size(self, trainer: Any, pl_module: Any, stage: str) -> int:
+        """``stage``'s batch-size attribute's value; 0 where it has none (loaders passed straight to
+        validate/predict)."""
+        name = self._attr(trainer, pl_module, stage)
+        size = compat.get_batch_attr(trainer, pl_module, name) if compat.has_batch_attr(trainer, pl_module, name) else 0
+        return size if isinstance(size, int) else 0
+
     def _asked(self, trainer: Any, pl_module: Any, stage: str) -> int | None:
-        """The batch size ``stage``'s loader was asked for: its attribute's value (None where it has none, or under
-        buckets, whose batches hold their bucket's size)."""
+        """The batch size ``stage``'s loader was asked for (None where it has no attribute, or under buckets, whose
+        batches hold their bucket's size)."""
         if stage == "train" and self.buckets is not None:
             return None
-        name = self._attr(trainer, pl_module, stage)
-        if not compat.has_batch_attr(trainer, pl_module, name):
-            return None
-        size = compat.get_batch_attr(trainer, pl_module, name)
-        return size if isinstance(size, int) else None
+        return self._attr_size(trainer, pl_module, stage) or None
 
     def unguard_eval(self) -> None:
         if self._eval_undo is not None:
@@ -264,9 +267,8 @@ class OomRecovery:
 
     def recovered(self, trainer: Any, pl_module: Any, stage: str, done: Recovered) -> None:
         """Record a step that ran out of memory and was trained in micro-batches; the next search starts below it."""
-        name = self._attr(trainer, pl_module, stage)
         # loaders passed straight to validate/predict have no batch-size attribute: the batch's own size
-        size = compat.get_batch_attr(trainer, pl_module, name) if compat.has_batch_attr(trainer, pl_module, name) else 0
+        size = self._attr_size(trainer, pl_module, stage)
         samples = done.samples or size
         size = size or samples
         largest_piece = done.micro_size or -(-samples // done.pieces)
@@ -345,12 +347,7 @@ class OomRecovery:
                 self.peer_split = tightest(self.peer_split, kept)
             else:
                 self.peer_splits[bucket] = tightest(self.peer_splits.get(bucket, (None, 1)), kept)
-            name = self._attr(trainer, pl_module, "train")
-            size = (
-                compat.get_batch_attr(trainer, pl_module, name)
-                if compat.has_batch_attr(trainer, pl_module, name)
-                else 0
-            )
+            size = self._attr_size(trainer, pl_module, "train")
             failed_in = FAILED_IN[code] if 0 <= code < len(FAILED_IN) else ""
             self._record_recovery(
                 trainer,

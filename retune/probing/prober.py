@@ -118,7 +118,7 @@ class Prober:
         self._stats: MemoryStats | None = None  # the device allocator's statistics (CUDA), per session
         self.device_limit = device_limit
         """Without a budget, the limit the search agreed for every rank where it started
-        (:func:`retune.search.stage.agreed_device_limit`: the smallest rank's); None: read this process's own."""
+        (:func:`retune.search.stage.agreed_limits`: the smallest rank's); None: read this process's own."""
         self.limit: int | None = budget_bytes
         """The bytes a trial may peak at: the budget, else on a caching allocator ``device_limit`` or, not given,
         what this process can get (:func:`retune.allocator.process_limit`, read at the session's start), else None

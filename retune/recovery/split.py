@@ -184,7 +184,7 @@ def samples_as_listed(batch: Any, asked: int | None) -> bool:
     if asked is None or not _one_layout(batch) or len(batch) != asked:
         return False
     first = batch[0]
-    if isinstance(first, (list, tuple)) and len(first) == len(batch) and not _holds_sample_value(first):
+    if isinstance(first, (list, tuple)) and len(first) == len(batch) and not _a_samples_fields(first):
         return False
     try:
         rows = batch_length(batch)
@@ -212,23 +212,18 @@ def _layout(item: Any) -> tuple[Any, ...] | None:
     return None
 
 
-def _holds_sample_value(item: Any) -> bool:
-    """Whether a container holds, as its own field, a value that a collated batch holds only inside a per-sample
-    list: a number, a string, a tensor without a dimension. A tuple or list counts only where its fields are of
-    several kinds (``(image, 3)``): ``tuple(zip(*samples))`` makes one tuple per field, all labels or all images."""
-    if isinstance(item, Mapping):
-        fields: list[Any] = list(item.values())
-    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-        fields = [getattr(item, f.name) for f in dataclasses.fields(item)]
-    elif isinstance(item, (list, tuple)):
-        fields = list(item)
-        if len({_kind(value) for value in fields}) < 2:
-            return False
-    else:
-        return False
-    return any(_kind(value) == "value" for value in fields) or any(
-        _holds_sample_value(value) for value in fields if isinstance(value, Mapping)
-    )
+def _a_samples_fields(item: Sequence[Any]) -> bool:
+    """Whether a tuple or list reads as one sample's fields, ``(image, 3)``: fields of several kinds, holding a number,
+    a string or a tensor without a dimension (in a nested mapping too). ``tuple(zip(*samples))`` makes one tuple per
+    field instead, all images or all labels."""
+    kinds = {_kind(value) for value in item}
+    return len(kinds) > 1 and _holds_a_value(item)
+
+
+def _holds_a_value(fields: Any) -> bool:
+    """A number, a string or a dimensionless tensor among ``fields`` or a mapping's values, nested mappings too."""
+    values = fields.values() if isinstance(fields, Mapping) else fields
+    return any(_kind(value) == "value" or (isinstance(value, Mapping) and _holds_a_value(value)) for value in values)
 
 
 def _kind(value: Any) -> str:

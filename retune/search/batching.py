@@ -57,7 +57,7 @@ class Limits:
     device: Any
     step_limit: int | None
     """The bytes a step may use, read once where the search starts: the budget, else what the device's caching
-    allocator lets every rank have (:func:`~retune.search.stage.agreed_device_limit`: the smallest rank's, so
+    allocator lets every rank have (:func:`~retune.search.stage.agreed_limits`: the smallest rank's, so
     that the ranks take the same decisions), else None. Every limit the search reads is this one."""
 
 

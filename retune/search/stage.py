@@ -91,7 +91,7 @@ def mode_and_limit(
     """The search to run and the memory limit ``model`` mode predicts against.
 
     ``model`` needs measured peaks and a limit: the budget, or ``available``, what the device's caching
-    allocator lets every rank have (:func:`agreed_device_limit`: the smallest rank's
+    allocator lets every rank have (:func:`agreed_limits`: the smallest rank's
     :func:`retune.allocator.process_limit`, free memory plus its own reserved, within its memory fraction;
     not the device's total). Without both it falls back to ``binsearch`` and says so in the event.
     """
@@ -113,36 +113,20 @@ def device_limit(device: Any) -> int | None:
     return None if stats is None else process_limit(stats)
 
 
-def agreed_device_limit(trainer: Any, device: Any, budget: int | None) -> int | None:
-    """Without a budget, what the device's caching allocator lets *every* rank have: the smallest rank's
-    :func:`device_limit`, read once where a search starts (None: a budget is set, or no rank has a caching
-    allocator).
-
-    Each rank's own limit follows its device's free memory, which differs between GPUs by a few MiB; but
-    the ranks must take the same decisions (the probes' verdicts, the predicted sizes and starts, how many
-    traces and so how many collectives, the buckets' bounds), or they pick different sizes or wait in
-    collectives the others never call. The smallest is the one a size must fit on every rank. One
-    all-gather per search without a budget; with one, every rank has the same number and nothing is
-    exchanged.
-    """
-    if budget is not None:
-        return None
-    limits = [v for v in compat.all_gather_object(trainer, device_limit(device)) if v is not None]
-    return min(limits) if limits else None
-
-
 def agreed_limits(
     trainer: Any, device: Any, budget: int | None, dataset_len: int | None
 ) -> tuple[int | None, int | None]:
-    """``(device limit, dataset length)`` for one search, the same on every rank: :func:`agreed_device_limit`'s
-    limit, and the smallest rank's ``dataset_len`` (the samples one rank's epoch holds: the search's cap).
+    """``(device limit, dataset length)`` for one search, the same on every rank: without a budget, what the device's
+    caching allocator lets *every* rank have (the smallest rank's :func:`device_limit`: each rank's follows its own
+    GPU's free memory, but the ranks must take the same decisions, or they pick different sizes or wait in
+    collectives the others never call; None where a budget is set or no rank has a caching allocator), and the
+    smallest rank's ``dataset_len`` (the samples one rank's epoch holds: the search's cap).
 
     Each rank counts its own epoch (``use_distributed_sampler=False`` with a dataset per rank, a sampler that
     draws a rank's own share): a cap read per rank gave the ranks different plans, so they probed different sizes
     and met in collectives with mismatched payloads. No batch of the smallest rank's epoch holds more, so no
     larger size can be verified on every rank. A rank whose length is unknown (an iterable dataset) puts no cap.
-    One all-gather under DDP, whether or not a budget is set (it replaces :func:`agreed_device_limit`'s); none on
-    one device."""
+    One all-gather under DDP, whether or not a budget is set; none on one device."""
     own_limit = None if budget is not None else device_limit(device)
     if not compat.is_distributed(trainer):
         return own_limit, dataset_len
@@ -434,7 +418,6 @@ def apply_policies(
 __all__ = [
     "Policies",
     "StageState",
-    "agreed_device_limit",
     "agreed_limits",
     "apply_policies",
     "device_limit",
