@@ -55,6 +55,18 @@ def _metadata_ops() -> frozenset[Any]:
 _METADATA = _metadata_ops()
 
 
+def _fresh_ops() -> frozenset[Any]:
+    """Operators whose result is new memory although it is their input: ``lift_fresh`` hands the dispatcher a
+    tensor just made from Python data (``torch.tensor(0.0)``: Adam's ``step``), which no operator allocated."""
+    try:
+        return frozenset({torch.ops.aten.lift_fresh.default})
+    except (AttributeError, RuntimeError):  # a torch without it: such tensors are not counted, as before
+        return frozenset()
+
+
+_FRESH = _fresh_ops()
+
+
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     """The tensors in an operator's arguments or results: nested tuples, lists and dicts of them (what
     ``torch.utils._pytree.tree_leaves`` would find there, at a fraction of its cost on the per-operator path).
@@ -113,7 +125,8 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
     Args:
         device_type: the device type whose tensors count: ``"cpu"`` for a probe (host memory; a device's
             allocator keeps its own statistics), the module's device type for a fake-tensor trace
-            (``retune.prediction``).
+            (``retune.prediction``); several, as a tuple, where one account spans them (an optimizer update
+            measured on ``meta`` tensors keeps its scalar state on the CPU: ``retune.prediction.meta_update``).
         resized: storages resized in place outside the dispatcher, ``{key: bytes now}``, read at every operator
             (FSDP2's gathered parameters: ``retune.distributed.fsdp2.unsharded_storages``); None: none.
 
@@ -127,11 +140,14 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         (8000000, 6000000)
     """
 
-    def __init__(self, device_type: str = "cpu", resized: Callable[[], dict[int, int]] | None = None) -> None:
+    def __init__(
+        self, device_type: str | tuple[str, ...] = "cpu", resized: Callable[[], dict[int, int]] | None = None
+    ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.device_type = device_type
         """The tensors counted: a probe counts host memory (a device's allocator keeps its own statistics); a
         fake-tensor trace (``retune.prediction``) counts the fakes on the module's device."""
+        self._kinds = frozenset((device_type,) if isinstance(device_type, str) else device_type)
         self.resized = resized
         """Storages resized in place outside the dispatcher (FSDP2's unsharded parameters:
         ``retune.distributed.fsdp2.unsharded_storages``): their size now, by key, read at every operator and
@@ -179,11 +195,12 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         if func in _METADATA:
             return out  # a fake tensor's device query (the autograd engine asks for every gradient): no memory
-        kind = self.device_type
+        kinds = self._kinds
         resized = self.resized() if self.resized is not None else {}
-        inputs: set[int] | None = None  # the inputs' storages, read once, only when a result is not counted yet
+        # the inputs' storages, read once, only when a result is not counted yet (none: a fresh tensor)
+        inputs: set[int] | None = set() if func in _FRESH else None
         for leaf in _tensors(out):
-            if _device_type(leaf) != kind:
+            if _device_type(leaf) not in kinds:
                 continue
             # a sharded (DTensor) result: its local shard's; a sparse one: its indices' and values'. A sparse
             # in-place result (a gradient accumulated: ``grad += new``) holds new parts in the same tensor, which
@@ -200,7 +217,7 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                     inputs = {
                         part._cdata
                         for t in _tensors((args, kwargs) if kwargs else args)
-                        if _device_type(t) == kind
+                        if _device_type(t) in kinds
                         for part in storages_of(t)
                     }
                 if key not in inputs:  # a view or an in-place result shares an input's storage: no new memory

@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from retune.distributed.local_shards import is_sharded
 
-__all__ = ["FakeTrainingState", "fake_tensor", "fake_training_state", "swapped_in"]
+__all__ = ["FakeTrainingState", "cloned_optimizer", "fake_tensor", "fake_training_state", "swapped_in"]
 
 
 @dataclass
@@ -106,6 +106,16 @@ def fake_training_state(
 def _fake_optimizer(
     mode: FakeTensorMode, optimizer: torch.optim.Optimizer, fake_param: Callable[[torch.Tensor], torch.Tensor]
 ) -> torch.optim.Optimizer:
+    return cloned_optimizer(optimizer, fake_param, lambda value: fake_tensor(mode, value))
+
+
+def cloned_optimizer(
+    optimizer: torch.optim.Optimizer,
+    param_of: Callable[[torch.Tensor], torch.Tensor],
+    value_of: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.optim.Optimizer:
+    """A shallow copy of ``optimizer`` (see the module doc) whose param groups hold ``param_of`` of each parameter
+    and whose state holds ``value_of`` of each tensor (other values copied), keyed by the new parameters."""
     clone = object.__new__(type(optimizer))
     clone.__dict__.update(optimizer.__dict__)
     for name in _patched_methods(optimizer):
@@ -115,13 +125,13 @@ def _fake_optimizer(
         del clone.__dict__[name]
 
     clone.param_groups = [
-        {**group, "params": [fake_param(p) for p in group["params"]]} for group in optimizer.param_groups
+        {**group, "params": [param_of(p) for p in group["params"]]} for group in optimizer.param_groups
     ]
     state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
     for param, values in optimizer.state.items():
-        key = fake_param(param) if isinstance(param, torch.Tensor) else param
+        key = param_of(param) if isinstance(param, torch.Tensor) else param
         state[key] = {
-            name: fake_tensor(mode, value) if isinstance(value, torch.Tensor) else copy.copy(value)
+            name: value_of(value) if isinstance(value, torch.Tensor) else copy.copy(value)
             for name, value in values.items()
         }
     clone.state = state

@@ -74,6 +74,7 @@ from retune.compat.fake_trace import logging_silenced, optimizers_replaced
 from retune.compat.stage_steps import hooks_isolated, step_marks, training_step
 from retune.compat.state import get_accumulation
 from retune.distributed.fsdp2 import hooks_removed
+from retune.distributed.local_shards import is_sharded
 from retune.memory import (
     CpuPeakTracker,
     StepPhases,
@@ -85,6 +86,7 @@ from retune.memory import (
 )
 from retune.prediction.fake_batch import fake_batch
 from retune.prediction.fake_state import fake_training_state, swapped_in
+from retune.prediction.meta_update import update_on_meta
 from retune.probing.attributes import attributes_kept
 from retune.probing.sample_sizes import preserved_rng
 
@@ -267,6 +269,14 @@ def trace_step(
     reuse = optimizer if count == 1 else None
     if compute_dtypes and reuse is None:  # the optimizers would update the compute-dtype fakes
         return CannotPredict("a step traced in its compute dtypes needs its update's phase (trace_update), one step")
+    # a CPU step's one update, measured on meta tensors (meta_update: the same account, faster than on fakes)
+    on_meta = (
+        count == 1
+        and reuse is None
+        and len(optimizers) == 1
+        and _device_type(module, device) == "cpu"
+        and not any(is_sharded(p) for p in module.parameters())
+    )
     try:
         with preserved_rng(), _modes_preserved(module), torch.inference_mode(False), torch.enable_grad():
             mode = FakeTensorMode()  # real tensors reaching an op raise: nothing real can be written
@@ -284,7 +294,7 @@ def trace_step(
                     if record:
                         tracker.record()
                     grads_before = tracker.adopt(p.grad for p in state.parameters.values() if p.grad is not None)
-                    phases = TracedPhases(tracker, reuse)
+                    phases = TracedPhases(tracker, reuse, on_meta)
                     for opt in state.optimizers:
                         phases.wrap(opt)
                     with step_marks(phases):
@@ -292,6 +302,7 @@ def trace_step(
                             step(fake, state.optimizers)
                     grads_after = gradient_bytes(module)
                 created = max(0, resident_bytes(module, state.optimizers) - resident)
+            reuse = phases.reuse  # the one given, or the update measured on meta tensors
             recording = None
             if record and tracker.recording is not None and ("!",) not in tracker.recording:
                 recording = Recording(
@@ -405,8 +416,11 @@ class TracedPhases:
     above the live bytes at its start, or, with ``reuse``, runs only the closure and accounts the update as
     ``reuse`` measured it."""
 
-    def __init__(self, tracker: CpuPeakTracker, reuse: OptimizerPhase | None) -> None:
+    def __init__(self, tracker: CpuPeakTracker, reuse: OptimizerPhase | None, on_meta: bool = False) -> None:
         self.tracker, self.reuse = tracker, reuse
+        self.on_meta = on_meta
+        """Measure the update on ``meta`` tensors (:mod:`~retune.prediction.meta_update`: a CPU step's, faster than
+        on fakes) and account it as a reused phase; where that fails, the update runs on the fakes."""
         self.extra: int | None = None
         self.skipped_peak = 0
         self.updates = 0  # updates started (run or skipped)
@@ -478,9 +492,16 @@ class TracedPhases:
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
+            done: Any = lambda: loss  # noqa: E731  # the closure already ran: the update sees its loss
+            if self.on_meta:
+                measured = update_on_meta(optimizer, done if closure is not None else None, kwargs)
+                self.on_meta = False  # one update is measured; a later one in the step reuses it
+                if measured is not None:
+                    self.reuse = OptimizerPhase(*measured)
+                    self.update_skipped()
+                    return loss
             self.update_started()
             try:
-                done: Any = lambda: loss  # noqa: E731  # the closure already ran: the update sees its loss
                 original(done, **kwargs) if closure is not None else original(**kwargs)
             finally:
                 self.update_done()

@@ -1,0 +1,109 @@
+"""The optimizer update of a traced CPU step, measured on ``meta`` tensors instead of fake ones.
+
+Why: a fake tensor's operator runs its ``meta`` kernel and then FakeTensorMode's own work on top (the cache key,
+a fake wrapper for every result, and on a cache miss the cache entry), and an update's operators miss that cache
+wherever the trace meets a parameter shape for the first time: after an unfreeze, every newly trainable one. On
+the issue-29 BERT (41 parameters, AdamW, one thread) the update is about 500 operators: 0.05 s on fakes, 0.026 s
+on ``meta`` tensors, about a quarter of a re-tune's trace (``tests/benchmarks/bench_prediction.py``).
+
+How: the fake optimizer clone the trace runs (:mod:`~retune.prediction.fake_state`) is cloned once more
+(:func:`~retune.prediction.fake_state.cloned_optimizer`) over ``meta`` tensors of the same shapes, strides and
+dtypes: each fake parameter, the fake gradient backward left on it (a parameter without one is skipped by the
+update, as in the step), and its state; a scalar state kept as a fake constant (Adam's ``step``, read back with
+``.item()``) is a private CPU copy of its value. Its ``step`` runs outside the fake mode, counted by a
+:class:`~retune.memory.CpuPeakTracker` of ``meta`` and CPU tensors (the scalars a CPU update creates are CPU
+tensors, as the fake update's are): its peak above its start, the state it created and its own need are the
+update's :class:`~retune.prediction.trace.OptimizerPhase`, and the trace accounts the update as it accounts a
+reused phase.
+
+Where: only for a step whose module lives on the CPU (the caller checks). An optimizer picks its implementation by
+its parameters' device (torch's ``foreach`` and ``fused`` defaults are for CUDA); a ``meta`` parameter picks as a
+CPU one does, so the temporaries counted are the CPU update's; a CUDA update is traced on fakes of its device.
+Anything that fails here (an optimizer that reads a tensor's value, ``capturable``, a sparse gradient, a state
+value the mirror cannot make) returns None, and the trace runs the update on fakes as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
+
+from retune.memory import CpuPeakTracker, resident_bytes
+from retune.prediction.fake_state import cloned_optimizer
+
+__all__ = ["update_on_meta"]
+
+
+def update_on_meta(
+    optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None, kwargs: Mapping[str, Any]
+) -> tuple[int, int, int] | None:
+    """``optimizer``'s update (a fake clone inside a trace) run on ``meta`` mirrors of its parameters, gradients
+    and state: ``(extra, created, need)`` bytes, as :class:`~retune.prediction.trace.OptimizerPhase` holds them;
+    None where it cannot be measured this way (the caller runs the update on the fakes).
+
+    Args:
+        optimizer: the optimizer whose ``step`` to measure (a fake clone, or a real optimizer: neither is written);
+            its parameters' gradients are the ones to update.
+        closure: what the update is passed as its closure (the caller's, which returns the loss already computed),
+            or None.
+        kwargs: further keyword arguments of the ``step`` call.
+
+    >>> p = torch.nn.Parameter(torch.empty(1000, device="meta"))
+    >>> p.grad = torch.empty(1000, device="meta")
+    >>> update_on_meta(torch.optim.SGD([p], lr=0.1, momentum=0.9), None, {})   # the momentum buffer, 4000 bytes
+    (4000, 4000, 0)
+    """
+    try:
+        with _disable_current_modes():
+            return _measured(optimizer, closure, kwargs)
+    except Exception:  # any failure: the fake update measures it instead
+        return None
+
+
+def _measured(
+    optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None, kwargs: Mapping[str, Any]
+) -> tuple[int, int, int] | None:
+    mirrors: dict[int, torch.Tensor] = {}  # one mirror per tensor: a parameter in two groups stays one
+
+    def param_of(param: torch.Tensor) -> torch.Tensor:
+        if id(param) not in mirrors:
+            mirror = torch.nn.Parameter(_meta(param), requires_grad=param.requires_grad)
+            if param.grad is not None:
+                mirror.grad = _meta(param.grad)
+            mirrors[id(param)] = mirror
+        return mirrors[id(param)]
+
+    def value_of(value: torch.Tensor) -> torch.Tensor:
+        """A scalar whose value the update may read (``step``): a private copy; any other tensor: a meta one."""
+        if isinstance(value, FakeTensor):
+            constant = value.constant  # a fake's private copy of a scalar's value (fake_state)
+            return constant.clone() if isinstance(constant, torch.Tensor) else _meta(value)
+        if value.device.type == "cpu" and value.numel() <= 1:  # a real optimizer's scalar, as fake_state keeps it
+            return value.detach().clone()
+        return _meta(value)
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is not None and param.grad.layout != torch.strided:
+                return None  # a sparse gradient (nn.Embedding(sparse=True)): its parts, not one strided tensor
+    mirror = cloned_optimizer(optimizer, param_of, value_of)
+    nothing = torch.nn.Module()
+    before = resident_bytes(nothing, [mirror])
+    with CpuPeakTracker(("meta", "cpu")) as tracker:
+        tracker.log_new_storages()
+        if closure is not None:
+            mirror.step(closure, **kwargs)
+        else:
+            mirror.step(**kwargs)
+        need = tracker.own_need(0)
+    created = max(0, resident_bytes(nothing, [mirror]) - before)
+    return tracker.peak_bytes, created, need
+
+
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    """A ``meta`` tensor of ``tensor``'s shape, strides and dtype (a fake or a real one): no memory, no data."""
+    return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype, device="meta")
