@@ -64,14 +64,14 @@ def _fresh_ops() -> frozenset[Any]:
         return frozenset()
 
 
-_FRESH = _fresh_ops()
+FRESH_OPS = _fresh_ops()
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     """The tensors in an operator's arguments or results: nested tuples, lists and dicts of them (what
     ``torch.utils._pytree.tree_leaves`` would find there, at a fraction of its cost on the per-operator path).
 
-    >>> [t.shape[0] for t in _tensors(((torch.ones(1), [torch.ones(2), 3]), {"out": torch.ones(4)}))]
+    >>> [t.shape[0] for t in tensors_in(((torch.ones(1), [torch.ones(2), 3]), {"out": torch.ones(4)}))]
     [1, 2, 4]
     """
     if isinstance(value, torch.Tensor):
@@ -81,9 +81,9 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             if isinstance(item, torch.Tensor):
                 yield item
             elif isinstance(item, (tuple, list, dict)):
-                yield from _tensors(item)
+                yield from tensors_in(item)
     elif isinstance(value, dict):
-        yield from _tensors(list(value.values()))
+        yield from tensors_in(list(value.values()))
 
 
 def storages_of(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -198,8 +198,8 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kinds = self._kinds
         resized = self.resized() if self.resized is not None else {}
         # the inputs' storages, read once, only when a result is not counted yet (none: a fresh tensor)
-        inputs: set[int] | None = set() if func in _FRESH else None
-        for leaf in _tensors(out):
+        inputs: set[int] | None = set() if func in FRESH_OPS else None
+        for leaf in tensors_in(out):
             if _device_type(leaf) not in kinds:
                 continue
             # a sharded (DTensor) result: its local shard's; a sparse one: its indices' and values'. A sparse
@@ -216,7 +216,7 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if inputs is None:
                     inputs = {
                         part._cdata
-                        for t in _tensors((args, kwargs) if kwargs else args)
+                        for t in tensors_in((args, kwargs) if kwargs else args)
                         if _device_type(t) in kinds
                         for part in storages_of(t)
                     }
@@ -751,6 +751,7 @@ def measure_peak(
 
 
 __all__ = [
+    "FRESH_OPS",
     "CpuPeakTracker",
     "PeakReading",
     "PhaseMarks",
@@ -765,4 +766,5 @@ __all__ = [
     "storages_of",
     "resident_bytes",
     "tensor_bytes",
+    "tensors_in",
 ]

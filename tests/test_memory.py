@@ -291,6 +291,28 @@ def test_the_tracker_counts_the_device_it_is_given_only() -> None:
     del kept
 
 
+def test_the_tracker_counts_several_devices_where_given_several() -> None:
+    """An update measured on meta tensors keeps its scalar state on the CPU (retune.prediction.meta_update)."""
+    from retune.memory import CpuPeakTracker
+
+    with CpuPeakTracker(("meta", "cpu")) as both:
+        kept = [torch.empty(1000, device="meta"), torch.empty(10)]
+    assert both.peak_bytes == 4040
+    del kept
+
+
+def test_a_tensor_made_from_python_data_is_counted() -> None:
+    """``torch.tensor(...)`` reaches the dispatcher as ``lift_fresh`` of itself (no operator allocated it): it is
+    new memory all the same (Adam's ``step`` scalars), as a fake trace counts it; a view of it is not."""
+    from retune.memory import CpuPeakTracker
+
+    with CpuPeakTracker() as tracker:
+        made = [torch.tensor(0.0), torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)]
+        view = made[1][1:]
+    assert tracker.peak_bytes == 4 + 24
+    del made, view
+
+
 def test_own_need_is_the_peak_beyond_what_the_block_left_alive() -> None:
     """An update that creates state (kept) and temporaries (freed): its need once the state exists is the
     temporaries' peak alone, whatever the order; storages are told apart by when they were counted, not by

@@ -20,7 +20,10 @@ Where: only for a step whose module lives on the CPU (the caller checks). An opt
 its parameters' device (torch's ``foreach`` and ``fused`` defaults are for CUDA); a ``meta`` parameter picks as a
 CPU one does, so the temporaries counted are the CPU update's; a CUDA update is traced on fakes of its device.
 Anything that fails here (an optimizer that reads a tensor's value, ``capturable``, a sparse gradient, a state
-value the mirror cannot make) returns None, and the trace runs the update on fakes as before.
+value the mirror cannot make) returns None, and the trace runs the update on fakes as before. Nothing real is
+written: outside the fake mode an operator on a real tensor would run for real, so every operator given a real
+tensor the update did not make (or hold as its private scalar copy) is refused before it runs (an optimizer
+wrapping another, whose inner optimizer holds the real parameters, falls back to the fakes, which refuse it too).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from retune.memory import CpuPeakTracker, resident_bytes
+from retune.memory import FRESH_OPS, CpuPeakTracker, resident_bytes, storages_of, tensors_in
 from retune.prediction.fake_state import cloned_optimizer
 
 __all__ = ["update_on_meta"]
@@ -93,7 +96,14 @@ def _measured(
     mirror = cloned_optimizer(optimizer, param_of, value_of)
     nothing = torch.nn.Module()
     before = resident_bytes(nothing, [mirror])
-    with CpuPeakTracker(("meta", "cpu")) as tracker:
+    own = {  # the real tensors the update may touch: the mirror's private scalars (and what it makes, below)
+        storage._cdata
+        for values in mirror.state.values()
+        for value in values.values()
+        if isinstance(value, torch.Tensor) and value.device.type != "meta"
+        for storage in storages_of(value)
+    }
+    with _MetaOnly(own) as tracker:
         tracker.log_new_storages()
         if closure is not None:
             mirror.step(closure, **kwargs)
@@ -102,6 +112,34 @@ def _measured(
         need = tracker.own_need(0)
     created = max(0, resident_bytes(nothing, [mirror]) - before)
     return tracker.peak_bytes, created, need
+
+
+class _RealTensorReached(RuntimeError):
+    """The update reached a real tensor it did not make (see :class:`_MetaOnly`)."""
+
+
+class _MetaOnly(CpuPeakTracker):  # type: ignore[no-untyped-call]
+    """The update's tracker, which refuses any operator given a real tensor the update neither made nor holds as
+    the mirror's private scalar copy, *before* it runs: an optimizer that wraps another (``ZeroRedundancyOptimizer``,
+    a Lookahead) steps its inner optimizer, whose parameters and state are the real ones, and outside the fake mode
+    (which refuses every real tensor) nothing else would stop that update from writing the real weights."""
+
+    def __init__(self, own: set[int]) -> None:
+        super().__init__(("meta", "cpu"))
+        self.own = own
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        if func not in FRESH_OPS:  # lift_fresh's input is a tensor just made from Python data
+            for tensor in tensors_in((args, kwargs) if kwargs else args):
+                if not tensor.is_meta and any(s._cdata not in self.own for s in storages_of(tensor)):
+                    raise _RealTensorReached(f"{func} reached a real tensor of shape {tuple(tensor.shape)}")
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        for tensor in tensors_in(out):
+            if not tensor.is_meta:
+                self.own.update(s._cdata for s in storages_of(tensor))
+        return out
 
 
 def _meta(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,9 @@ The optimizer's update does not depend on the batch: its peak is the memory aliv
 it creates. A trace measures that phase (:class:`OptimizerPhase`) and a later trace of the same state may
 reuse it (``optimizer=``): it runs the closure (forward and backward) and skips the update, whose peak is
 then the live bytes at its start plus the phase's measured extra. The update is about a third of a traced
-step of a small transformer with Adam, and a search traces several sizes of one state.
+step of a small transformer with Adam, and a search traces several sizes of one state. A CPU step's first
+update is measured on ``meta`` tensors instead of fakes (:mod:`~retune.prediction.meta_update`: the same
+account at about half the cost) and then accounted as a reused phase; where that cannot run, on the fakes.
 
 Under FSDP2 the trace is of the plain module on the rank's batch, with whole-tensor fakes of the shards
 (:mod:`~retune.prediction.fake_state`) and FSDP2's hooks out of the way

@@ -173,3 +173,54 @@ def test_a_sparse_gradient_is_left_to_the_fakes() -> None:
     embedding = torch.nn.Embedding(10, 4, sparse=True)
     embedding(torch.tensor([1, 2])).sum().backward()
     assert update_on_meta(torch.optim.SGD(embedding.parameters(), lr=0.1), None, {}) is None
+
+
+class _Wrapping(torch.optim.Optimizer):
+    """Steps an inner optimizer over the same parameters, as ``ZeroRedundancyOptimizer`` or a Lookahead does: a
+    clone's param groups hold the mirrors, its inner optimizer still holds the real parameters."""
+
+    def __init__(self, params: Any) -> None:
+        params = list(params)
+        super().__init__(params, {"lr": 0.1})
+        self.inner = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    def step(self, closure: Any = None) -> Any:
+        return self.inner.step(closure)
+
+
+def test_an_update_that_reaches_real_tensors_is_refused_before_it_writes_them() -> None:
+    """Outside the fake mode an operator on a real tensor runs for real: the meta update refuses it first."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(4))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = _Wrapping(params)
+    before = [p.detach().clone() for p in params]
+    assert update_on_meta(optimizer, None, {}) is None
+    assert all(torch.equal(p, q) for p, q in zip(params, before, strict=True)), "a real weight was updated"
+    # reading a state the optimizer keeps in a defaultdict leaves empty entries (as a fake trace's read does)
+    assert not any(optimizer.inner.state.values()), "the real optimizer's state was created"
+
+
+def test_a_wrapping_optimizer_inside_a_trace_leaves_the_run_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = _WithOptimizer(_Wrapping)
+    weights: list[torch.Tensor] = []
+    on_meta, on_fakes, answers = [], [], []
+
+    def work(trainer: Any, m: PredictionModel) -> None:
+        _warm_up(trainer, m)
+        for p in m.parameters():  # gradients present, as between backward and zero_grad
+            p.grad = torch.ones_like(p)
+        weights.extend(p.detach().clone() for p in m.parameters())
+        monkeypatch.setattr(
+            trace_module, "update_on_meta", lambda *a, **k: answers.append(update_on_meta(*a, **k)) or answers[-1]
+        )
+        on_meta.append(trace_training_step(trainer, m, m.make_batch(2), 8, steps=1))
+        assert all(torch.equal(p, w) for p, w in zip(m.parameters(), weights, strict=True))
+        monkeypatch.setattr(trace_module, "update_on_meta", lambda *a, **k: None)
+        on_fakes.append(trace_training_step(trainer, m, m.make_batch(2), 8, steps=1))
+
+    at_train_start(model, work)
+    assert answers == [None]
+    assert str(on_meta[0]) == str(on_fakes[0]), "the fakes decide, as without the meta update"
