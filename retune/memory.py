@@ -57,7 +57,9 @@ _METADATA = _metadata_ops()
 
 def _fresh_ops() -> frozenset[Any]:
     """Operators whose result is new memory although it is their input: ``lift_fresh`` hands the dispatcher a
-    tensor just made from Python data (``torch.tensor(0.0)``: Adam's ``step``), which no operator allocated."""
+    tensor just made from Python data (``torch.tensor(0.0)``: Adam's ``step``), which no operator allocated; a
+    result whose storage is not resizable aliases memory torch does not own (``torch.from_numpy``,
+    ``torch.as_tensor(ndarray)``) and is not new (:meth:`CpuPeakTracker.__torch_dispatch__`)."""
     try:
         return frozenset({torch.ops.aten.lift_fresh.default})
     except (AttributeError, RuntimeError):  # a torch without it: such tensors are not counted, as before
@@ -197,8 +199,12 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out  # a fake tensor's device query (the autograd engine asks for every gradient): no memory
         kinds = self._kinds
         resized = self.resized() if self.resized is not None else {}
-        # the inputs' storages, read once, only when a result is not counted yet (none: a fresh tensor)
-        inputs: set[int] | None = set() if func in FRESH_OPS else None
+        # the inputs' storages, read once, only when a result is not counted yet (none: a fresh tensor, unless it
+        # aliases memory torch does not own, a NumPy array's, whose storage cannot be resized)
+        fresh = func in FRESH_OPS and all(
+            t.layout != torch.strided or t.untyped_storage().resizable() for t in tensors_in(out)
+        )
+        inputs: set[int] | None = set() if fresh else None
         for leaf in tensors_in(out):
             if _device_type(leaf) not in kinds:
                 continue

@@ -313,6 +313,24 @@ def test_a_tensor_made_from_python_data_is_counted() -> None:
     del made, view
 
 
+def test_a_tensor_over_numpy_memory_is_not_counted_as_new() -> None:
+    """``torch.from_numpy``/``torch.as_tensor(ndarray)`` reach the dispatcher as ``lift_fresh`` too, of an alias of
+    the array's memory (not torch's to count: a table read three rows at a time would count whole); a copy of an
+    array (``torch.tensor(ndarray)``) is new memory, once."""
+    import numpy as np
+
+    from retune.memory import CpuPeakTracker
+
+    table = np.zeros((1000, 1000), dtype=np.float32)  # 4 MB made before the probe
+    with CpuPeakTracker() as tracker:
+        aliases = [torch.from_numpy(table[:3]), torch.as_tensor(table)]
+    assert tracker.peak_bytes == 0
+    with CpuPeakTracker() as tracker:
+        copy = torch.tensor(table[:3])
+    assert tracker.peak_bytes == 3 * 1000 * 4
+    del aliases, copy
+
+
 def test_own_need_is_the_peak_beyond_what_the_block_left_alive() -> None:
     """An update that creates state (kept) and temporaries (freed): its need once the state exists is the
     temporaries' peak alone, whatever the order; storages are told apart by when they were counted, not by

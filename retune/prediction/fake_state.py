@@ -155,8 +155,12 @@ def _patched_methods(optimizer: torch.optim.Optimizer) -> list[str]:
 @contextmanager
 def swapped_in(module: torch.nn.Module, state: FakeTrainingState) -> Iterator[None]:
     """``module``'s parameters and buffers are ``state``'s fakes inside the block; the real tensors
-    (the same objects) are back in their places afterwards, whatever the block did."""
+    (the same objects) are back in their places afterwards, whatever the block did, and a parameter or buffer the
+    block registered under a new name is gone again (it holds a fake)."""
     saved: list[tuple[dict[str, Any], str, Any]] = []
+    # every submodule's own names before the block: a step that registers a parameter or buffer of its own (a cache
+    # made at its first call) registers a fake, which must not outlive the trace on the real module
+    names = [(own, set(own)) for sub in module.modules() for own in (sub._parameters, sub._buffers)]
     try:
         for table, fakes in (("_parameters", state.parameters), ("_buffers", state.buffers)):
             for name, fake in fakes.items():
@@ -169,3 +173,6 @@ def swapped_in(module: torch.nn.Module, state: FakeTrainingState) -> Iterator[No
     finally:
         for entries, leaf, real in reversed(saved):
             entries[leaf] = real
+        for own, before in names:
+            for added in set(own) - before:
+                del own[added]

@@ -33,12 +33,34 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.optim import optimizer as torch_optimizer
 from torch.utils._python_dispatch import _disable_current_modes
 
 from retune.memory import FRESH_OPS, CpuPeakTracker, resident_bytes, storages_of, tensors_in
 from retune.prediction.fake_state import cloned_optimizer
 
-__all__ = ["update_on_meta"]
+__all__ = ["meta_eligible", "update_on_meta"]
+
+
+def meta_eligible(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the trace may measure ``optimizer``'s update on ``meta`` tensors: one of torch's own optimizers
+    (``torch.optim``, not a subclass: a ``step`` of its own may keep views, draw random numbers, make tensors on a
+    named device or step an inner optimizer over the real parameters) with no step hook, its own or global (a hook
+    would run twice where the meta update fails and the fakes then run it).
+
+    >>> meta_eligible(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]))
+    True
+    """
+    cls = type(optimizer)
+    if not cls.__module__.startswith("torch.optim.") or getattr(torch.optim, cls.__name__, None) is not cls:
+        return False
+    registries = (
+        getattr(optimizer, "_optimizer_step_pre_hooks", None),
+        getattr(optimizer, "_optimizer_step_post_hooks", None),
+        getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+        getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
+    )
+    return not any(registries)
 
 
 def update_on_meta(
@@ -60,11 +82,21 @@ def update_on_meta(
     >>> update_on_meta(torch.optim.SGD([p], lr=0.1, momentum=0.9), None, {})   # the momentum buffer, 4000 bytes
     (4000, 4000, 0)
     """
+    if _autocast_enabled():  # an update inside autocast (a manual step's): autocast casts CPU tensors, not meta
+        return None
     try:
         with _disable_current_modes():
             return _measured(optimizer, closure, kwargs)
     except Exception:  # any failure: the fake update measures it instead
         return None
+
+
+def _autocast_enabled() -> bool:
+    """Whether autocast is on for the CPU (or any device) where the update would run."""
+    try:
+        return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+    except TypeError:  # an older torch: no device argument
+        return bool(torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled())
 
 
 def _measured(
@@ -81,13 +113,12 @@ def _measured(
         return mirrors[id(param)]
 
     def value_of(value: torch.Tensor) -> torch.Tensor:
-        """A scalar whose value the update may read (``step``): a private copy; any other tensor: a meta one."""
-        if isinstance(value, FakeTensor):
-            constant = value.constant  # a fake's private copy of a scalar's value (fake_state)
-            return constant.clone() if isinstance(constant, torch.Tensor) else _meta(value)
-        if value.device.type == "cpu" and value.numel() <= 1:  # a real optimizer's scalar, as fake_state keeps it
-            return value.detach().clone()
-        return _meta(value)
+        """A CPU scalar (``step``, read back with ``.item()``): a private copy of its value; any other tensor (a
+        one-element parameter's moments too, which meet its meta gradient): a meta one."""
+        if value.dim() != 0 or value.device.type != "cpu":
+            return _meta(value)
+        constant = value.constant if isinstance(value, FakeTensor) else value  # fake_state's copy of the value
+        return constant.detach().clone() if isinstance(constant, torch.Tensor) else _meta(value)
 
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -131,10 +162,17 @@ class _MetaOnly(CpuPeakTracker):  # type: ignore[no-untyped-call]
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        if func not in FRESH_OPS:  # lift_fresh's input is a tensor just made from Python data
-            for tensor in tensors_in((args, kwargs) if kwargs else args):
-                if not tensor.is_meta and any(s._cdata not in self.own for s in storages_of(tensor)):
-                    raise _RealTensorReached(f"{func} reached a real tensor of shape {tuple(tensor.shape)}")
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            raise _RealTensorReached(f"{func} draws random numbers (a generator of the run's would advance)")
+        for value in (*args, *(kwargs or {}).values()):
+            if isinstance(value, (torch.UntypedStorage, torch.TypedStorage)) and value.device.type != "meta":
+                raise _RealTensorReached(f"{func} reached a real storage")
+        fresh = func in FRESH_OPS  # its input is a tensor just made from Python data, unless it aliases numpy's
+        for tensor in tensors_in((args, kwargs) if kwargs else args):
+            if tensor.is_meta or (fresh and tensor.untyped_storage().resizable()):
+                continue
+            if any(s._cdata not in self.own for s in storages_of(tensor)):
+                raise _RealTensorReached(f"{func} reached a real tensor of shape {tuple(tensor.shape)}")
         out = super().__torch_dispatch__(func, types, args, kwargs)
         for tensor in tensors_in(out):
             if not tensor.is_meta:

@@ -56,6 +56,7 @@ tracker runs it in a probe (its compiler stance), so it is predicted as the eage
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -88,7 +89,7 @@ from retune.memory import (
 )
 from retune.prediction.fake_batch import fake_batch
 from retune.prediction.fake_state import fake_training_state, swapped_in
-from retune.prediction.meta_update import update_on_meta
+from retune.prediction.meta_update import meta_eligible, update_on_meta
 from retune.probing.attributes import attributes_kept
 from retune.probing.sample_sizes import preserved_rng
 
@@ -247,6 +248,7 @@ def trace_step(
     reduced_gradients: Mapping[int, int] | None = None,
     accumulating: bool = False,
     record: bool = False,
+    meta_update: bool = False,
 ) -> StepTrace | CannotPredict:
     """Trace ``steps`` calls of ``step`` on a fake ``batch`` of ``size`` samples; never raises.
 
@@ -264,18 +266,24 @@ def trace_step(
     of it after its reduce-scatter. ``accumulating``: the run accumulates gradients, so a window's later
     micro-batches hold them through backward (:attr:`StepTrace.steady_bytes` counts them there). ``record`` keeps
     the :attr:`StepTrace.recording` (none where a count changed other than by a new or a freed storage: the
-    reduced gradients above), for :func:`retune.prediction.replay.replay`.
+    reduced gradients above), for :func:`retune.prediction.replay.replay`. ``meta_update``: ``step`` updates once,
+    after its forward and backward (Lightning's automatic optimization), so where the module is on the CPU with one
+    of torch's optimizers the update may be measured on ``meta`` tensors (:mod:`~retune.prediction.meta_update`;
+    a manual step may update twice, or inside autocast).
     """
     started = time.perf_counter()
     count = steps if steps is not None else (1 if has_optimizer_state(optimizers) else 2)
     reuse = optimizer if count == 1 else None
     if compute_dtypes and reuse is None:  # the optimizers would update the compute-dtype fakes
         return CannotPredict("a step traced in its compute dtypes needs its update's phase (trace_update), one step")
-    # a CPU step's one update, measured on meta tensors (meta_update: the same account, faster than on fakes)
+    # a CPU step's one update, measured on meta tensors (meta_update: the same account, faster than on fakes);
+    # every check reads attributes only (trace_step never raises)
     on_meta = (
-        count == 1
+        meta_update
+        and count == 1
         and reuse is None
         and len(optimizers) == 1
+        and meta_eligible(optimizers[0])
         and _device_type(module, device) == "cpu"
         and not any(is_sharded(p) for p in module.parameters())
     )
@@ -304,14 +312,18 @@ def trace_step(
                             step(fake, state.optimizers)
                     grads_after = gradient_bytes(module)
                 created = max(0, resident_bytes(module, state.optimizers) - resident)
-            reuse = phases.reuse  # the one given, or the update measured on meta tensors
+            if reuse is None and phases.reuse is not None:  # the update was measured on meta tensors
+                # what the step left resident (a buffer it grew) and the state the update made, as the phase of an
+                # update run on the fakes holds them
+                created += phases.reuse.created_bytes
+                phases.reuse = dataclasses.replace(phases.reuse, created_bytes=created)
             recording = None
             if record and tracker.recording is not None and ("!",) not in tracker.recording:
                 recording = Recording(
                     tuple(tracker.recording),
                     batch_shapes(fake),
                     fixed_dims(module),
-                    reuse,
+                    phases.reuse,  # the one given, or the update measured on meta tensors
                 )
             facts = StepFacts(size, count, resident, created, batch_bytes, grads_before, grads_after, accumulating)
             result = assemble(phases, tracker, facts, reuse, time.perf_counter() - started, recording)
@@ -593,6 +605,7 @@ def trace_training_step(
         reduced_gradients,
         get_accumulation(trainer) > 1,
         record,
+        meta_update=bool(getattr(pl_module, "automatic_optimization", True)),
     )
 
 

@@ -136,9 +136,13 @@ class _CpuMinded(torch.optim.Optimizer):
 
 
 def test_an_update_the_meta_tensors_cannot_run_is_measured_on_fakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused on meta tensors (a device mismatch), where asked: an optimizer of the user's own is not asked."""
     torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.empty(10, device="meta"))
+    p.grad = torch.empty(10, device="meta")
+    assert update_on_meta(_CpuMinded([p]), None, {}) is None
     on_meta, on_fakes, answers = _traces(_WithOptimizer(_CpuMinded), monkeypatch, with_state=True)
-    assert answers and all(a is None for a in answers), "the meta update must fail here, or this tests nothing"
+    assert answers == [], "not one of torch's optimizers: the fakes measure it"
     for meta, fake in zip(on_meta, on_fakes, strict=True):
         assert isinstance(meta, StepTrace) and meta.optimizer is not None
         for field in FIELDS:
@@ -222,5 +226,180 @@ def test_a_wrapping_optimizer_inside_a_trace_leaves_the_run_alone(monkeypatch: p
         on_fakes.append(trace_training_step(trainer, m, m.make_batch(2), 8, steps=1))
 
     at_train_start(model, work)
-    assert answers == [None]
+    assert answers == [], "not one of torch's optimizers: the fakes measure it"
     assert str(on_meta[0]) == str(on_fakes[0]), "the fakes decide, as without the meta update"
+
+
+class _TwoUpdates(PredictionModel):
+    """Manual optimization stepping one optimizer twice: the head alone, then everything. A manual step may update
+    more than once (or inside autocast), so its update is never measured on meta tensors: each is traced."""
+
+    def __init__(self) -> None:
+        base = mlp()
+        super().__init__(base.net, base.make_batch, base.loss_of)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        opt.zero_grad()
+        features = self.net[:-1](batch[0]).detach()
+        self.manual_backward(torch.nn.functional.cross_entropy(self.net[-1](features), batch[1]))
+        opt.step()
+        opt.zero_grad()
+        loss = self.loss_of(self.net, batch)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+def test_a_manual_step_is_traced_on_fakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model = _TwoUpdates()
+    on_meta, on_fakes, answers = _traces(model, monkeypatch, with_state=True)
+    assert answers == [], "a manual step's updates are measured on the fakes"
+    for meta, fake in zip(on_meta, on_fakes, strict=True):
+        assert isinstance(meta, StepTrace)
+        assert all(getattr(meta, f) == getattr(fake, f) for f in FIELDS)
+
+
+class _GrowsACache(PredictionModel):
+    """Registers a larger cache buffer when a batch outgrows it (a RoPE table): the step leaves resident memory of
+    its own beside the optimizer state the update creates."""
+
+    def __init__(self) -> None:
+        base = mlp()
+        super().__init__(base.net, base.make_batch, base.loss_of)
+        self.register_buffer("cache", torch.zeros(2, 8), persistent=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        rows = batch[0].shape[0]
+        if self.cache.shape[0] < rows:
+            self.register_buffer("cache", torch.zeros(rows, 8), persistent=False)
+        return self.loss_of(self.net, batch) + self.cache[:rows].sum()
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["first_step", "state_exists"])
+def test_what_the_step_leaves_resident_is_counted_beside_the_state(
+    with_state: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    on_meta, on_fakes, answers = _traces(_GrowsACache(), monkeypatch, with_state, sizes=(2, 512))
+    assert answers and all(a is not None for a in answers)
+    for meta, fake in zip(on_meta, on_fakes, strict=True):
+        assert isinstance(meta, StepTrace)
+        for field in FIELDS:
+            assert getattr(meta, field) == getattr(fake, field), (field, meta, fake)
+    assert on_meta[-1].created_bytes >= 510 * 8 * 4, "the grown cache is resident after the step"
+
+
+class _Scalar(PredictionModel):
+    """A one-element parameter (a temperature) beside the net: its moments are one-element tensors."""
+
+    def __init__(self) -> None:
+        base = mlp()
+        super().__init__(base.net, base.make_batch, base.loss_of)
+        self.temperature = torch.nn.Parameter(torch.ones(1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.loss_of(self.net, batch) * self.temperature.squeeze()
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["first_step", "state_exists"])
+def test_a_one_element_parameter_is_measured_on_meta(with_state: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    on_meta, on_fakes, answers = _traces(_Scalar(), monkeypatch, with_state)
+    assert answers and all(a is not None for a in answers), answers
+    for meta, fake in zip(on_meta, on_fakes, strict=True):
+        assert isinstance(meta, StepTrace)
+        assert all(getattr(meta, f) == getattr(fake, f) for f in FIELDS)
+
+
+class _MyAdam(torch.optim.Adam):
+    pass
+
+
+def test_only_torchs_own_optimizers_without_step_hooks_are_measured_on_meta() -> None:
+    """A subclass's ``step`` may do anything (views kept as state, random draws, an inner optimizer); a step hook
+    would run twice where the meta update fails and the fakes run it again."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from retune.prediction.meta_update import meta_eligible
+
+    def params() -> list[torch.nn.Parameter]:
+        return [torch.nn.Parameter(torch.ones(2))]
+
+    assert meta_eligible(torch.optim.AdamW(params()))
+    assert not meta_eligible(_MyAdam(params()))
+    assert not meta_eligible(_Wrapping(params()))
+    hooked = torch.optim.SGD(params(), lr=0.1)
+    handle = hooked.register_step_pre_hook(lambda *a: None)
+    assert not meta_eligible(hooked)
+    handle.remove()
+    assert meta_eligible(hooked)
+    handle = register_optimizer_step_post_hook(lambda *a: None)
+    try:
+        assert not meta_eligible(hooked), "a global step hook"
+    finally:
+        handle.remove()
+
+
+def test_a_step_hook_runs_once_in_a_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    class Hooked(_WithOptimizer):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            optimizer = super().configure_optimizers()
+            optimizer.register_step_pre_hook(lambda *a: calls.append(1))
+            return optimizer
+
+    torch.manual_seed(0)
+    model = Hooked(OPTIMIZERS["adam"])
+    answers: list[Any] = []
+
+    def work(trainer: Any, m: PredictionModel) -> None:
+        _warm_up(trainer, m)
+        calls.clear()
+        monkeypatch.setattr(
+            trace_module, "update_on_meta", lambda *a, **k: answers.append(update_on_meta(*a, **k)) or answers[-1]
+        )
+        assert isinstance(trace_training_step(trainer, m, m.make_batch(2), 8, steps=1), StepTrace)
+        seen.extend(calls)
+
+    seen: list[int] = []
+    at_train_start(model, work)
+    assert answers == [] and seen == [1]
+
+
+def test_an_update_inside_autocast_is_left_to_the_fakes() -> None:
+    """Autocast casts a CPU tensor's operators, not a meta tensor's (a manual step's update runs inside it)."""
+    p = torch.nn.Parameter(torch.empty(10, device="meta"))
+    p.grad = torch.empty(10, device="meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert update_on_meta(torch.optim.SGD([p], lr=0.1, momentum=0.9), None, {}) is None
+    assert update_on_meta(torch.optim.SGD([p], lr=0.1, momentum=0.9), None, {}) == (40, 40, 0)
+
+
+class _Noisy(torch.optim.Optimizer):
+    """Adds noise from a generator of its own (Langevin-style): outside the fake mode the draw would be real."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.generator = torch.Generator().manual_seed(0)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    noise = torch.randn(p.shape, generator=self.generator)
+                    p.add_(p.grad + noise.to(p.device), alpha=-group["lr"])
+        return None
+
+
+def test_an_update_that_draws_random_numbers_is_refused_before_it_draws() -> None:
+    p = torch.nn.Parameter(torch.empty(10, device="meta"))
+    p.grad = torch.empty(10, device="meta")
+    optimizer = _Noisy([p])
+    before = optimizer.generator.get_state()
+    assert update_on_meta(optimizer, None, {}) is None
+    assert torch.equal(optimizer.generator.get_state(), before), "the optimizer's generator advanced"

@@ -371,3 +371,30 @@ def test_reading_tensor_values_outside_an_operator_is_named_for_what_it_is() -> 
     result = trace_step(model, [opt], torch.zeros(2, 4), 8, logs_a_norm)
     assert isinstance(result, CannotPredict) and "reads tensor values outside an operator" in result.reason
     assert "grad_norm" in result.reason
+
+
+class _RegistersACache(PredictionModel):
+    """Registers a buffer at its first call (a cache it builds lazily): inside a trace that buffer is a fake."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if not hasattr(self, "cache"):
+            self.register_buffer("cache", torch.zeros(4), persistent=False)
+        return super().training_step(batch, batch_idx) + self.cache.sum()
+
+
+def test_a_buffer_the_step_registers_in_a_trace_does_not_outlive_it() -> None:
+    """The fake it registered stayed on the real module, and the next real step failed on it."""
+    seed(0)
+    base = mlp()
+    model = _RegistersACache(base.net, base.make_batch, base.loss_of)
+    got: list[Any] = []
+
+    def work(trainer: Any, m: PredictionModel) -> None:
+        got.append(trace_training_step(trainer, m, m.make_batch(2), 8, steps=1))
+        got.append(hasattr(m, "cache"))
+        _warm_up(trainer, m)  # a real step: registers a real cache
+        got.append(type(m.cache))
+
+    at_train_start(model, work)
+    assert isinstance(got[0], StepTrace)
+    assert got[1:] == [False, torch.Tensor]
