@@ -202,12 +202,13 @@ class CpuPeakTracker(TorchDispatchMode):  # type: ignore[no-untyped-call]
             return out  # a fake tensor's device query (the autograd engine asks for every gradient): no memory
         kinds = self._kinds
         resized = self.resized() if self.resized is not None else {}
-        # the inputs' storages, read once, only when a result is not counted yet (none: a fresh tensor, unless it
-        # aliases memory torch does not own, a NumPy array's, whose storage cannot be resized)
-        fresh = func in FRESH_OPS and all(
-            t.layout != torch.strided or t.untyped_storage().resizable() for t in tensors_in(out)
-        )
-        inputs: set[int] | None = set() if fresh else None
+        # the inputs' storages, read once, only when a result is not counted yet (none: a fresh tensor)
+        inputs: set[int] | None = None
+        if func in FRESH_OPS:
+            if not all(t.layout != torch.strided or t.untyped_storage().resizable() for t in tensors_in(args)):
+                return out  # an alias of memory torch does not own (a NumPy array's, not resizable): not new, even
+                # where the result is a fake of it (a trace counts what a probe counts)
+            inputs = set()
         for leaf in tensors_in(out):
             if _device_type(leaf) not in kinds:
                 continue

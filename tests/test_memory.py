@@ -331,6 +331,21 @@ def test_a_tensor_over_numpy_memory_is_not_counted_as_new() -> None:
     del aliases, copy
 
 
+def test_a_trace_counts_numpy_memory_and_fresh_tensors_as_a_probe_does() -> None:
+    """Inside a fake trace the same operators make fakes, new storages: the rule reads the input, so a trace counts
+    what a probe counts (a NumPy table's alias: nothing; a tensor made from Python data: its bytes)."""
+    import numpy as np
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from retune.memory import CpuPeakTracker
+
+    table = np.zeros((1000, 1000), dtype=np.float32)
+    with FakeTensorMode(), CpuPeakTracker() as traced:
+        made = [torch.from_numpy(table), torch.tensor([1.0, 2.0])]
+    assert traced.peak_bytes == 8
+    del made
+
+
 def test_own_need_is_the_peak_beyond_what_the_block_left_alive() -> None:
     """An update that creates state (kept) and temporaries (freed): its need once the state exists is the
     temporaries' peak alone, whatever the order; storages are told apart by when they were counted, not by

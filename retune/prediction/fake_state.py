@@ -154,25 +154,28 @@ def _patched_methods(optimizer: torch.optim.Optimizer) -> list[str]:
 
 @contextmanager
 def swapped_in(module: torch.nn.Module, state: FakeTrainingState) -> Iterator[None]:
-    """``module``'s parameters and buffers are ``state``'s fakes inside the block; the real tensors
-    (the same objects) are back in their places afterwards, whatever the block did, and a parameter or buffer the
-    block registered under a new name is gone again (it holds a fake)."""
-    saved: list[tuple[dict[str, Any], str, Any]] = []
-    # every submodule's own names before the block: a step that registers a parameter or buffer of its own (a cache
-    # made at its first call) registers a fake, which must not outlive the trace on the real module
-    names = [(own, set(own)) for sub in module.modules() for own in (sub._parameters, sub._buffers)]
+    """``module``'s parameters and buffers are ``state``'s fakes inside the block; afterwards every submodule's
+    parameters, buffers and submodules are exactly what they were (the same real objects under the same names),
+    whatever the block did: a step that registers a tensor or a module of its own inside a trace (a cache made at its
+    first call, a slot registered as None and filled, a layer built lazily or replaced) made it of fakes, which must
+    not outlive the trace on the real module."""
+    tables = ("_parameters", "_buffers", "_modules")
+    saved = [
+        (sub, [dict(getattr(sub, table)) for table in tables], set(sub._non_persistent_buffers_set))
+        for sub in module.modules()
+    ]
     try:
         for table, fakes in (("_parameters", state.parameters), ("_buffers", state.buffers)):
             for name, fake in fakes.items():
                 owner_name, _, leaf = name.rpartition(".")
-                owner = module.get_submodule(owner_name)
-                entries: dict[str, Any] = getattr(owner, table)
-                saved.append((entries, leaf, entries[leaf]))
+                entries: dict[str, Any] = getattr(module.get_submodule(owner_name), table)
                 entries[leaf] = fake
         yield
     finally:
-        for entries, leaf, real in reversed(saved):
-            entries[leaf] = real
-        for own, before in names:
-            for added in set(own) - before:
-                del own[added]
+        for sub, contents, non_persistent in saved:
+            for table, content in zip(tables, contents, strict=True):
+                entries = getattr(sub, table)
+                entries.clear()  # the same dict objects, back to their contents and order
+                entries.update(content)
+            sub._non_persistent_buffers_set.clear()
+            sub._non_persistent_buffers_set.update(non_persistent)

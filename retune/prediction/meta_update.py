@@ -51,16 +51,22 @@ def meta_eligible(optimizer: torch.optim.Optimizer) -> bool:
     >>> meta_eligible(torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))]))
     True
     """
-    cls = type(optimizer)
-    if not cls.__module__.startswith("torch.optim.") or getattr(torch.optim, cls.__name__, None) is not cls:
+    try:
+        cls = type(optimizer)
+        module = str(cls.__module__)
+        if not (module == "torch.optim" or module.startswith("torch.optim.")):
+            return False
+        if getattr(torch.optim, cls.__name__, None) is not cls:
+            return False
+        registries = (
+            getattr(optimizer, "_optimizer_step_pre_hooks", None),
+            getattr(optimizer, "_optimizer_step_post_hooks", None),
+            getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
+            getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
+        )
+        return not any(registries)
+    except Exception:  # an object this cannot read: the fakes measure its update
         return False
-    registries = (
-        getattr(optimizer, "_optimizer_step_pre_hooks", None),
-        getattr(optimizer, "_optimizer_step_post_hooks", None),
-        getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
-        getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
-    )
-    return not any(registries)
 
 
 def update_on_meta(
@@ -82,9 +88,9 @@ def update_on_meta(
     >>> update_on_meta(torch.optim.SGD([p], lr=0.1, momentum=0.9), None, {})   # the momentum buffer, 4000 bytes
     (4000, 4000, 0)
     """
-    if _autocast_enabled():  # an update inside autocast (a manual step's): autocast casts CPU tensors, not meta
-        return None
     try:
+        if _autocast_enabled():  # an update inside autocast (a manual step's): autocast casts CPU tensors, not meta
+            return None
         with _disable_current_modes():
             return _measured(optimizer, closure, kwargs)
     except Exception:  # any failure: the fake update measures it instead

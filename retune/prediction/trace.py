@@ -277,7 +277,7 @@ def trace_step(
     if compute_dtypes and reuse is None:  # the optimizers would update the compute-dtype fakes
         return CannotPredict("a step traced in its compute dtypes needs its update's phase (trace_update), one step")
     # a CPU step's one update, measured on meta tensors (meta_update: the same account, faster than on fakes);
-    # every check reads attributes only (trace_step never raises)
+    # meta_eligible never raises (nor does trace_step)
     on_meta = (
         meta_update
         and count == 1
@@ -311,12 +311,13 @@ def trace_step(
                         for _ in range(count):
                             step(fake, state.optimizers)
                     grads_after = gradient_bytes(module)
-                created = max(0, resident_bytes(module, state.optimizers) - resident)
+                left = resident_bytes(module, state.optimizers) - resident  # a buffer the step grew, or shrank
             if reuse is None and phases.reuse is not None:  # the update was measured on meta tensors
-                # what the step left resident (a buffer it grew) and the state the update made, as the phase of an
-                # update run on the fakes holds them
-                created += phases.reuse.created_bytes
-                phases.reuse = dataclasses.replace(phases.reuse, created_bytes=created)
+                # what the step left resident and the state the update made, as the phase of an update run on the
+                # fakes holds them
+                left += phases.reuse.created_bytes
+                phases.reuse = dataclasses.replace(phases.reuse, created_bytes=max(0, left))
+            created = max(0, left)
             recording = None
             if record and tracker.recording is not None and ("!",) not in tracker.recording:
                 recording = Recording(

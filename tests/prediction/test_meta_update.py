@@ -278,6 +278,33 @@ class _GrowsACache(PredictionModel):
         return self.loss_of(self.net, batch) + self.cache[:rows].sum()
 
 
+class _ShrinksACache(_GrowsACache):
+    """Starts with a large cache and replaces it with one as small as the batch: the step frees resident memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(4000, 8), persistent=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        rows = batch[0].shape[0]
+        if self.cache.shape[0] > rows:
+            self.register_buffer("cache", torch.zeros(rows, 8), persistent=False)
+        return self.loss_of(self.net, batch) + self.cache[:rows].sum()
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["first_step", "state_exists"])
+def test_what_the_step_frees_is_taken_from_the_state_it_creates(
+    with_state: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    on_meta, on_fakes, answers = _traces(_ShrinksACache(), monkeypatch, with_state, sizes=(2, 64))
+    assert answers and all(a is not None for a in answers)
+    for meta, fake in zip(on_meta, on_fakes, strict=True):
+        assert isinstance(meta, StepTrace)
+        for field in FIELDS:
+            assert getattr(meta, field) == getattr(fake, field), (field, meta, fake)
+
+
 @pytest.mark.parametrize("with_state", [False, True], ids=["first_step", "state_exists"])
 def test_what_the_step_leaves_resident_is_counted_beside_the_state(
     with_state: bool, monkeypatch: pytest.MonkeyPatch
@@ -329,6 +356,7 @@ def test_only_torchs_own_optimizers_without_step_hooks_are_measured_on_meta() ->
         return [torch.nn.Parameter(torch.ones(2))]
 
     assert meta_eligible(torch.optim.AdamW(params()))
+    assert meta_eligible(torch.optim.Adafactor(params())), "defined in torch.optim itself (its module's name)"
     assert not meta_eligible(_MyAdam(params()))
     assert not meta_eligible(_Wrapping(params()))
     hooked = torch.optim.SGD(params(), lr=0.1)

@@ -382,6 +382,45 @@ class _RegistersACache(PredictionModel):
         return super().training_step(batch, batch_idx) + self.cache.sum()
 
 
+class _ChangesItsModules(PredictionModel):
+    """Changes its own structure at a call: fills a slot registered as None, builds a layer, or replaces one."""
+
+    def __init__(self, net: nn.Module, make_batch: Any, loss_of: Any, how: str) -> None:
+        super().__init__(net, make_batch, loss_of)
+        self.how = how
+        self.register_buffer("mask", None)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.how == "slot":
+            self.mask = torch.ones(4)
+            loss = loss + self.mask.sum()
+        elif self.how == "built":
+            self.extra = nn.Linear(4, 4)
+            loss = loss + self.extra(torch.ones(1, 4)).sum()
+        elif self.how == "replaced":
+            self.net[0] = nn.Linear(self.net[0].in_features, self.net[0].out_features)
+        return loss
+
+
+@pytest.mark.parametrize("how", ["slot", "built", "replaced"])
+def test_a_module_the_step_changes_in_a_trace_is_itself_again_after_it(how: str) -> None:
+    """A tensor or module the step makes inside a trace is made of fakes: none of it outlives the trace."""
+    seed(0)
+    base = mlp()
+    model = _ChangesItsModules(base.net, base.make_batch, base.loss_of, how)
+    first = model.net[0]
+    got: list[Any] = []
+
+    def work(trainer: Any, m: Any) -> None:
+        got.append(trace_training_step(trainer, m, m.make_batch(2), 8, steps=1))
+        got.append((m.mask, hasattr(m, "extra"), m.net[0] is first))
+
+    at_train_start(model, work)
+    assert isinstance(got[0], StepTrace), got[0]
+    assert got[1] == (None, False, True)
+
+
 def test_a_buffer_the_step_registers_in_a_trace_does_not_outlive_it() -> None:
     """The fake it registered stayed on the real module, and the next real step failed on it."""
     seed(0)
