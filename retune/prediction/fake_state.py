@@ -100,13 +100,9 @@ def fake_training_state(
     buffers = {
         name: fake(b, scalar_constant=True) for name, b in module.named_buffers(remove_duplicate=False) if b is not None
     }
-    return FakeTrainingState(parameters, buffers, [_fake_optimizer(mode, opt, fake) for opt in optimizers])
-
-
-def _fake_optimizer(
-    mode: FakeTensorMode, optimizer: torch.optim.Optimizer, fake_param: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.optim.Optimizer:
-    return cloned_optimizer(optimizer, fake_param, lambda value: fake_tensor(mode, value))
+    return FakeTrainingState(
+        parameters, buffers, [cloned_optimizer(opt, fake, lambda value: fake_tensor(mode, value)) for opt in optimizers]
+    )
 
 
 def cloned_optimizer(

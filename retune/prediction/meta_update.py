@@ -109,6 +109,7 @@ def _measured(
     optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None, kwargs: Mapping[str, Any]
 ) -> tuple[int, int, int] | None:
     mirrors: dict[int, torch.Tensor] = {}  # one mirror per tensor: a parameter in two groups stays one
+    own: set[int] = set()  # the real tensors the update may touch: the scalar copies (and what it makes, _MetaOnly)
 
     def param_of(param: torch.Tensor) -> torch.Tensor:
         if id(param) not in mirrors:
@@ -124,22 +125,19 @@ def _measured(
         if value.dim() != 0 or value.device.type != "cpu":
             return _meta(value)
         constant = value.constant if isinstance(value, FakeTensor) else value  # fake_state's copy of the value
-        return constant.detach().clone() if isinstance(constant, torch.Tensor) else _meta(value)
+        if not isinstance(constant, torch.Tensor):
+            return _meta(value)
+        copy = constant.detach().clone()
+        own.add(copy.untyped_storage()._cdata)
+        return copy
 
     for group in optimizer.param_groups:
         for param in group["params"]:
             if param.grad is not None and param.grad.layout != torch.strided:
                 return None  # a sparse gradient (nn.Embedding(sparse=True)): its parts, not one strided tensor
     mirror = cloned_optimizer(optimizer, param_of, value_of)
-    nothing = torch.nn.Module()
+    nothing = torch.nn.Module()  # resident_bytes of the mirror's state alone
     before = resident_bytes(nothing, [mirror])
-    own = {  # the real tensors the update may touch: the mirror's private scalars (and what it makes, below)
-        storage._cdata
-        for values in mirror.state.values()
-        for value in values.values()
-        if isinstance(value, torch.Tensor) and value.device.type != "meta"
-        for storage in storages_of(value)
-    }
     with _MetaOnly(own) as tracker:
         tracker.log_new_storages()
         if closure is not None:
